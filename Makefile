@@ -1,0 +1,37 @@
+# Two commands do all set-up on a fresh machine: `make test` and `make demo`.
+VENV ?= .venv
+PYTHON ?= python3
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+TORCH_VERSION ?= 2.13.0
+
+.PHONY: test demo lint system-deps dashboards rules bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# The CPU build of torch; a plain `torch` requirement would pull a CUDA build of several GB.
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==$(TORCH_VERSION)
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+system-deps:
+	./scripts/install-system-deps.sh
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+test: $(STAMP) system-deps lint
+	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
+
+demo: $(STAMP) system-deps
+	$(VENV)/bin/robust-metrics demo $(DEMO_ARGS)
+
+dashboards: $(STAMP)
+	$(VENV)/bin/robust-metrics dashboards --out dashboards/
+
+bench: $(STAMP)
+	for b in bench/*.py; do $(PY) $$b || exit 1; done
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache demo-run

@@ -1,0 +1,5 @@
+import sys
+
+from robust_metrics.cli import main
+
+sys.exit(main())

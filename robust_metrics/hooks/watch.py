@@ -1,0 +1,490 @@
+"""`watch(model, optimizer)`: the one line that instruments a PyTorch training loop.
+
+Step boundaries come from the optimizer's step post-hook, data wait from the model's forward
+pre-hook, the loss from the 0-dim tensor `backward()` runs on, the gradient norm from
+`clip_grad_norm_` or the optimizer's pre-step hook, GC pauses from `gc.callbacks`, collectives from
+`robust_metrics.hooks.collectives`. Every hook body is guarded: an exception inside robust-metrics
+is counted in `robust_hook_errors_total{where}`, logged once, and never reaches the training loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import gc
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+from robust_metrics import schema
+from robust_metrics.hooks.collectives import CollectiveTracker
+from robust_metrics.hooks.config import WatchOptions
+from robust_metrics.hooks.control import ControlChannel
+from robust_metrics.hooks.numerics import DeferredReader, LossAccumulator, grad_norm_tensor, is_finite
+from robust_metrics.hooks.sinks import NullSink, Sink, make_sink
+from robust_metrics.hooks.store import MetricStore
+
+__all__ = ["Watch", "watch"]
+
+log = logging.getLogger("robust_metrics")
+F = TypeVar("F", bound=Callable[..., Any])
+
+_active: Watch | None = None
+_active_lock = threading.Lock()
+
+
+def _guard(where: str) -> Callable[[F], F]:
+    """Run a hook body; on any exception count it, log it once, and return None."""
+
+    def decorate(fn: F) -> F:
+        @functools.wraps(fn)
+        def guarded(self: Watch, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return fn(self, *args, **kwargs)
+            except Exception as exc:
+                self._error(where, exc)
+                return None
+
+        return guarded  # type: ignore[return-value]
+
+    return decorate
+
+
+class Watch:
+    """Handle returned by `watch()`. Use as a context manager, or call `close()` at the end."""
+
+    def __init__(self, model: Any, optimizer: Any, options: WatchOptions) -> None:
+        self.options = options
+        self.model = model
+        self.optimizer = optimizer
+        self.store = MetricStore({"run": options.run, "rank": str(options.rank)})
+        self.global_step = options.start_step
+        self._closed = False
+        self._logged_errors: set[str] = set()
+        self._handles: list[Any] = []
+        self._restore: list[Callable[[], None]] = []
+        self._reader = DeferredReader()
+        self._losses = LossAccumulator()
+        self._grad_norm_from_clip: Any = None
+        self._last_step_end: float | None = None
+        self._awaiting_forward = True
+        self._gc_started = 0.0
+        self._last_flush = 0.0
+        self._phase = "train"
+        self.tracker = CollectiveTracker(self._error)
+        self.control = ControlChannel(
+            options.metrics_dir, options.checkpoint_signal if options.checkpoint else None,
+            options.control_poll_interval)
+        self._bind_series()
+        self.sink: Sink = self._open_sink()
+        self._install()
+        self._flush(force=True)
+
+    # -- set-up ----------------------------------------------------------------------------
+    def _bind_series(self) -> None:
+        s, st = schema, self.store
+        self._steps = st.series(s.STEPS_TOTAL)
+        self._last_step_ts = st.series(s.LAST_STEP_TIMESTAMP)
+        self._global_step = st.series(s.GLOBAL_STEP)
+        self._step_duration = st.series(s.STEP_DURATION)
+        self._step_compute = st.series(s.STEP_COMPUTE)
+        self._data_wait = st.series(s.DATA_WAIT)
+        self._gc_pause = st.series(s.GC_PAUSE)
+        self._loss = st.series(s.LOSS)
+        self._grad_norm = st.series(s.GRAD_NORM)
+        self._nonfinite_loss = st.series(s.NONFINITE_LOSS)
+        self._nonfinite_grad = st.series(s.NONFINITE_GRAD)
+        self._ckpt_request = st.series(s.CHECKPOINT_REQUEST_ID)
+        self._ckpt_ts = st.series(s.LAST_CHECKPOINT_TIMESTAMP)
+        self._ckpt_duration = st.series(s.CHECKPOINT_DURATION)
+        self._ckpt_failures = st.series(s.CHECKPOINT_FAILURES)
+        self._phases = {p: st.series(s.PHASE, phase=p) for p in schema.PHASES}
+        self._global_step.set(self.global_step)
+        self._set_phase("train")
+        o = self.options
+        info = {"local_rank": str(o.local_rank), "world_size": str(o.world_size), "node": o.node,
+                "pid": str(os.getpid())}
+        for key in ("dp_rank", "pp_rank", "tp_rank"):
+            info[key] = str(o.topology[key]) if key in o.topology else ""
+        st.series(s.RANK_INFO, **info).set(1)
+        st.on_read(self._guarded_refresh)
+        self._cuda = self._cuda_device()
+        if self._cuda is not None:
+            self._cuda_series = [st.series(m) for m in (s.CUDA_ALLOCATED, s.CUDA_RESERVED,
+                                                        s.CUDA_PEAK)]
+
+    def _open_sink(self) -> Sink:
+        o = self.options
+        try:
+            sink = make_sink(o.backend, self.store, directory=o.metrics_dir, port=o.port)
+        except ValueError:
+            raise
+        except Exception as exc:  # a full disk or a taken port must not stop training
+            self._error("sink", exc)
+            return NullSink()
+        if o.backend == "multiprocess":
+            self._write_identity()
+        return sink
+
+    @_guard("identity")
+    def _write_identity(self) -> None:
+        """`ranks/<pid>.json` lets the sidecar map processes to ranks for liveness and stacks."""
+        o = self.options
+        folder = os.path.join(str(o.metrics_dir), "ranks")
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, f"{os.getpid()}.json")
+        with open(f"{path}.tmp", "w") as f:
+            json.dump({"run": o.run, "rank": o.rank, "local_rank": o.local_rank, "pid": os.getpid(),
+                       "node": o.node, "world_size": o.world_size, "topology": o.topology,
+                       "started": time.time()}, f)
+        os.replace(f"{path}.tmp", path)
+
+    def _cuda_device(self) -> Any:
+        with contextlib.suppress(Exception):
+            params = list(self.model.parameters()) if self.model is not None else []
+            if params and params[0].is_cuda:
+                return params[0].device
+        return None
+
+    def _install(self) -> None:
+        import torch
+
+        o = self.options
+        if self.optimizer is not None:
+            self._handles.append(self.optimizer.register_step_pre_hook(self._on_pre_step))
+            self._handles.append(self.optimizer.register_step_post_hook(self._on_step_end))
+        if self.model is not None:
+            self._handles.append(self.model.register_forward_pre_hook(self._on_forward))
+        self._patch(torch.Tensor, "backward", self._wrap_backward)
+        for module in (torch.nn.utils, torch.nn.utils.clip_grad):
+            self._patch(module, "clip_grad_norm_", self._wrap_clip)
+        if o.gc_pauses:
+            gc.callbacks.append(self._on_gc)
+            self._restore.append(lambda: gc.callbacks.remove(self._on_gc))
+        if o.collectives:
+            self._install_collectives()
+        if self.control.install_signal():
+            self._restore.append(self.control.restore_signal)
+
+    def _patch(self, owner: Any, name: str, make: Callable[[Any], Any]) -> None:
+        original = getattr(owner, name)
+        setattr(owner, name, make(original))
+        self._restore.append(lambda: setattr(owner, name, original))
+
+    @_guard("collectives")
+    def _install_collectives(self) -> None:
+        import torch.distributed as dist
+
+        self.tracker.patch()
+        self._restore.append(self.tracker.unpatch)
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        pg = dist.distributed_c10d._get_default_group()
+        if dist.get_backend(pg) == "nccl":
+            self.tracker.attach_nccl_completion_hook(pg)
+        ddp = torch_ddp_class()
+        if ddp is not None and isinstance(self.model, ddp):
+            try:
+                self.model.register_comm_hook(None, self.tracker.ddp_comm_hook(
+                    self.model.process_group))
+            except (RuntimeError, ValueError) as exc:  # e.g. the user registered their own
+                log.info("robust-metrics: DDP buckets not timed: %s", exc)
+
+    # -- hooks -----------------------------------------------------------------------------
+    def _wrap_backward(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        watch = self
+
+        @functools.wraps(original)
+        def backward(tensor: Any, *args: Any, **kwargs: Any) -> Any:
+            if not watch._closed:
+                watch._capture_loss(tensor)
+            return original(tensor, *args, **kwargs)
+
+        return backward
+
+    @_guard("loss")
+    def _capture_loss(self, tensor: Any) -> None:
+        if tensor.dim() == 0 and tensor.is_floating_point():
+            self._losses.add(tensor, explicit=False)
+
+    def _wrap_clip(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        watch = self
+
+        @functools.wraps(original)
+        def clip_grad_norm_(*args: Any, **kwargs: Any) -> Any:
+            total = original(*args, **kwargs)
+            watch._grad_norm_from_clip = total
+            return total
+
+        return clip_grad_norm_
+
+    @_guard("forward")
+    def _on_forward(self, module: Any, inputs: Any) -> None:
+        if self._awaiting_forward:
+            self._awaiting_forward = False
+            now = time.perf_counter()
+            if self._last_step_end is None:
+                self._last_step_end = now
+            else:
+                self._data_wait.observe(now - self._last_step_end)
+
+    @_guard("grad_norm")
+    def _on_pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self._grad_norm_from_clip is not None or not self.options.grad_norm:
+            return
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        total = grad_norm_tensor(params)
+        if total is not None:
+            self._grad_norm_from_clip = total
+
+    @_guard("step")
+    def _on_step_end(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        now = time.perf_counter()
+        started = self._last_step_end if self._last_step_end is not None else now
+        duration = now - started
+        blocked = self.tracker.take_blocked() if self.options.collectives else 0.0
+        self._step_duration.observe(duration)
+        self._step_compute.observe(max(0.0, duration - blocked))
+        self._steps.inc()
+        self.global_step += 1
+        self._global_step.set(self.global_step)
+        self._last_step_ts.set(time.time())
+        self._submit_numerics()
+        self._reader.poll()
+        self._check_control(now)
+        self._flush()
+        self._last_step_end = time.perf_counter()
+        self._awaiting_forward = True
+
+    def _submit_numerics(self) -> None:
+        taken = self._losses.take()
+        if taken is not None:
+            total, count = taken
+            loss = total / count
+            if hasattr(loss, "detach"):
+                self._reader.submit(loss, self._record_loss)
+            else:
+                self._record_loss(float(loss))
+        norm, self._grad_norm_from_clip = self._grad_norm_from_clip, None
+        if norm is not None:
+            if hasattr(norm, "detach"):
+                self._reader.submit(norm, self._record_grad_norm)
+            else:
+                self._record_grad_norm(float(norm))
+
+    def _record_loss(self, value: float) -> None:
+        self._loss.set(value)
+        if not is_finite(value):
+            self._nonfinite_loss.inc()
+
+    def _record_grad_norm(self, value: float) -> None:
+        self._grad_norm.set(value)
+        if not is_finite(value):
+            self._nonfinite_grad.inc()
+
+    def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._gc_started = time.perf_counter()
+        elif self._gc_started:
+            self._gc_pause.observe(time.perf_counter() - self._gc_started)
+            self._gc_started = 0.0
+
+    # -- checkpoints -----------------------------------------------------------------------
+    @_guard("control")
+    def _check_control(self, now: float) -> None:
+        if self.options.checkpoint is None:
+            return
+        request = self.control.poll(now)
+        if request is None or (request.at_step is not None and self.global_step < request.at_step):
+            return
+        self.control.handled_id = request.id
+        self.checkpoint(request_id=request.id)
+
+    def checkpoint(self, request_id: int | None = None) -> bool:
+        """Run the checkpoint callback now, in the checkpoint phase; True when it succeeded."""
+        fn = self.options.checkpoint
+        if fn is None:
+            raise RuntimeError("watch() was given no checkpoint= callback")
+        previous = self._phase
+        self._set_phase("checkpoint")
+        self._flush(force=True)
+        started = time.perf_counter()
+        ok = False
+        try:
+            fn(self.global_step)
+            ok = True
+        except Exception as exc:
+            self._ckpt_failures.inc()
+            log.exception("robust-metrics: checkpoint callback failed at step %d: %s",
+                          self.global_step, exc)
+        finally:
+            if ok:
+                self._ckpt_duration.set(time.perf_counter() - started)
+                self._ckpt_ts.set(time.time())
+            if request_id is not None:
+                self._ckpt_request.set(request_id)
+            self._set_phase(previous)
+            self._flush(force=True)
+        return ok
+
+    # -- public API ------------------------------------------------------------------------
+    def loss(self, value: Any) -> None:
+        """Publish this micro-step's loss explicitly (wins over the loss captured from backward)."""
+        try:
+            self._losses.add(value, explicit=True)
+        except Exception as exc:
+            self._error("loss", exc)
+
+    @contextlib.contextmanager
+    def _phase_scope(self, previous: str) -> Iterator[None]:
+        try:
+            yield
+        finally:
+            self._set_phase(previous)
+            self._flush(force=True)
+
+    def phase(self, name: str) -> contextlib.AbstractContextManager[None]:
+        """Enter phase `name` (train, eval, checkpoint). As a context manager, restore on exit.
+
+        Hang and slowness alerts stay silent outside `train`, so evaluation and checkpointing
+        never look like a stuck job.
+        """
+        if name not in schema.PHASES:
+            raise ValueError(f"phase {name!r}: choose one of {', '.join(schema.PHASES)}")
+        previous = self._phase
+        self._set_phase(name)
+        self._flush(force=True)
+        if name == "train":
+            self._last_step_end = None  # time outside training is not a step
+            self._awaiting_forward = True
+        return self._phase_scope(previous)
+
+    def set_step(self, step: int) -> None:
+        """Tell the hook the global step after resuming from a checkpoint."""
+        if not isinstance(step, int) or step < 0:
+            raise ValueError(f"step={step!r}: must be an integer >= 0")
+        self.global_step = step
+        self._global_step.set(step)
+
+    def close(self) -> None:
+        """Remove every hook and patch, publish the last values, release the sink."""
+        global _active
+        if self._closed:
+            return
+        self._closed = True
+        for handle in self._handles:
+            with contextlib.suppress(Exception):
+                handle.remove()
+        for restore in reversed(self._restore):
+            with contextlib.suppress(Exception):
+                restore()
+        self._reader.poll()
+        try:
+            self.sink.close(self.store)
+        except Exception as exc:
+            self._error("sink", exc)
+        with _active_lock:
+            if _active is self:
+                _active = None
+
+    def __enter__(self) -> Watch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- internals -------------------------------------------------------------------------
+    def _set_phase(self, name: str) -> None:
+        self._phase = name
+        for phase, series in self._phases.items():
+            series.set(1.0 if phase == name else 0.0)
+
+    def _flush(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._last_flush < self.options.flush_interval:
+            return
+        self._last_flush = now
+        try:
+            self.sink.flush(self.store)
+        except Exception as exc:
+            self._error("flush", exc)
+
+    @_guard("refresh")
+    def _guarded_refresh(self) -> None:
+        self._update_collectives()
+        if self._cuda is not None:
+            self._update_cuda()
+
+    def _update_collectives(self) -> None:
+        s, st = schema, self.store
+        stats, entered, completed = self.tracker.snapshot()
+        for (op, group), value in stats.items():
+            summary = st.series(s.COLLECTIVE_DURATION, op=op, group=group)
+            summary.count, summary.sum = float(value.count), value.seconds
+            st.series(s.COLLECTIVE_BYTES, op=op, group=group).value = float(value.bytes)
+        for group, count in entered.items():
+            st.series(s.COLLECTIVES_ENTERED, group=group).value = float(count)
+        for group, count in completed.items():
+            st.series(s.COLLECTIVES_COMPLETED, group=group).value = float(count)
+
+    def _update_cuda(self) -> None:
+        import torch
+
+        values = (torch.cuda.memory_allocated(self._cuda), torch.cuda.memory_reserved(self._cuda),
+                  torch.cuda.max_memory_allocated(self._cuda))
+        for series, value in zip(self._cuda_series, values, strict=True):
+            series.set(float(value))
+
+    def _error(self, where: str, exc: BaseException) -> None:
+        try:
+            self.store.series(schema.HOOK_ERRORS, where=where).inc()
+            if where not in self._logged_errors:
+                self._logged_errors.add(where)
+                log.warning("robust-metrics: error in %s hook (training continues): %r",
+                            where, exc, exc_info=exc)
+        except Exception:
+            pass
+
+
+def torch_ddp_class() -> Any:
+    try:
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel
+    except Exception:
+        return None
+
+
+def watch(model: Any = None, optimizer: Any = None, **options: Any) -> Watch:
+    """Instrument a training loop with one line, after the model and optimizer exist.
+
+    Options (all optional; the environment fills the rest):
+      run: job identity label (default: SLURM_JOB_ID, TORCHELASTIC_RUN_ID, ... or 'local');
+      rank, local_rank, world_size, node: default from RANK/LOCAL_RANK/WORLD_SIZE/SLURM_* env;
+      backend: 'auto' (multiprocess if ROBUST_METRICS_DIR is set, else http), 'multiprocess',
+        'http', 'otel' or 'null';
+      metrics_dir: multiprocess folder (default ROBUST_METRICS_DIR);
+      port: in-process /metrics port (default ROBUST_METRICS_PORT or 9750, plus local rank);
+      topology: {'dp_rank': .., 'pp_rank': .., 'tp_rank': ..} for robust_rank_info;
+      checkpoint: fn(step) run at the next step boundary after a request (SIGUSR1 or sidecar);
+      checkpoint_signal: the signal that requests a checkpoint (default SIGUSR1, None for none);
+      start_step: global step when resuming (or call handle.set_step(n));
+      grad_norm: compute the gradient norm when clip_grad_norm_ is not called (default True);
+      collectives: time torch.distributed collectives and DDP buckets (default True);
+      gc_pauses: time Python GC pauses (default True);
+      flush_interval: seconds between writes of the multiprocess files (default 0.25).
+
+    Raises TypeError or ValueError for bad options; nothing raised later reaches the training loop.
+    """
+    global _active
+    resolved = WatchOptions.resolve(**options)
+    with _active_lock:
+        if _active is not None and not _active._closed:
+            raise RuntimeError("robust_metrics.watch() is already active in this process; "
+                               "close() the first handle before watching again")
+        _active = Watch(model, optimizer, resolved)
+        return _active

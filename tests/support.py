@@ -1,0 +1,117 @@
+"""Shared helpers for tests that start real processes: free ports, rank jobs, polling."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import TypeVar
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "examples" / "train_ddp.py"
+T = TypeVar("T")
+
+
+def free_port() -> int:
+    """A loopback TCP port that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_until(predicate: Callable[[], T], timeout: float, interval: float = 0.1,
+               message: str = "condition") -> T:
+    """Poll `predicate` until it returns a truthy value; fail the test after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    last_exc: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            value = predicate()
+            if value:
+                return value
+        except Exception as exc:  # the thing polled may not be up yet
+            last_exc = exc
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {message}; last error: {last_exc}")
+
+
+def require_binary(*names: str) -> str:
+    """Path of the first binary found, or skip the test saying which package provides it."""
+    for name in names:
+        path = shutil.which(name)
+        if path:
+            return path
+    pytest.skip(f"{' or '.join(names)} not installed (make test installs it with apt-get)")
+
+
+class RankJob:
+    """N real gloo ranks of a training script, started without torchrun so each pid is known."""
+
+    def __init__(self, nproc: int, args: Sequence[str] = (), *, script: Path = EXAMPLE,
+                 env: dict[str, str] | None = None, log_dir: Path | None = None,
+                 run: str = "test-run") -> None:
+        self.nproc = nproc
+        self.port = free_port()
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.log_dir = log_dir
+        base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self.port),
+                "WORLD_SIZE": str(nproc), "ROBUST_METRICS_RUN": run, "OMP_NUM_THREADS": "1",
+                "PYTHONUNBUFFERED": "1", **(env or {})}
+        for rank in range(nproc):
+            rank_env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+            out = open(log_dir / f"rank{rank}.log", "wb") if log_dir else subprocess.DEVNULL  # noqa: SIM115
+            self.procs.append(subprocess.Popen(
+                [sys.executable, str(script), *args], env=rank_env, stdout=out,
+                stderr=subprocess.STDOUT, start_new_session=True))
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def wait(self, timeout: float = 120) -> list[int]:
+        """Wait for every rank; return their exit codes (kills them all on timeout)."""
+        deadline = time.monotonic() + timeout
+        try:
+            return [p.wait(timeout=max(0.1, deadline - time.monotonic())) for p in self.procs]
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"ranks did not finish in {timeout}s\n{self.logs()}") from None
+
+    def logs(self) -> str:
+        if not self.log_dir:
+            return ""
+        return "\n".join(f"--- rank {r} ---\n" + (self.log_dir / f"rank{r}.log").read_text(
+            errors="replace")[-3000:] for r in range(self.nproc))
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+        for p in self.procs:
+            with contextlib.suppress(Exception):
+                p.wait(timeout=10)
+
+    def __enter__(self) -> RankJob:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.kill()
+
+
+@contextlib.contextmanager
+def rank_job(nproc: int, args: Sequence[str] = (), **kwargs: object) -> Iterator[RankJob]:
+    job = RankJob(nproc, args, **kwargs)  # type: ignore[arg-type]
+    try:
+        yield job
+    finally:
+        job.kill()
