@@ -228,12 +228,190 @@ HOOK_ERRORS = _declare(
 )
 
 # --- sidecar (robust_metrics/sidecar) -------------------------------------------------------
-# Sidecar collectors declare their metrics in this section.
+# Node-level series carry `node` (the sidecar's --node, default the host name); GPU series add
+# `gpu` (NVML index). Per-rank series seen from outside the rank carry `run` and `rank` only.
+SIDECAR = Source.SIDECAR
+NODE = ("node",)
+GPU = ("node", "gpu")
+NIC_PORT = ("node", "device", "port")
+
+COLLECTOR_DURATION = _declare(
+    "robust_sidecar_collector_duration_seconds", G,
+    "Time a sidecar collector took in the last scrape.", labels=("collector",), source=SIDECAR,
+    unit="seconds",
+)
+COLLECTOR_SUCCESS = _declare(
+    "robust_sidecar_collector_success", G,
+    "1 when the collector succeeded in the last scrape, 0 when it failed.",
+    labels=("collector",), source=SIDECAR,
+)
+CORRUPT_FILES = _declare(
+    "robust_sidecar_corrupt_files_total", C,
+    "Rank metric files the sidecar could not read and skipped.", labels=(), source=SIDECAR,
+)
+RANK_PROCESS_ALIVE = _declare(
+    "robust_rank_process_alive", G,
+    "1 while the rank's process exists, 0 once it has exited (until its files are cleaned up).",
+    source=SIDECAR,
+)
+RANK_PROCESS_CPU = _declare(
+    "robust_rank_process_cpu_seconds_total", C, "CPU time of the rank's process.",
+    source=SIDECAR, unit="seconds",
+)
+RANK_PROCESS_RSS = _declare(
+    "robust_rank_process_resident_memory_bytes", G, "Resident memory of the rank's process.",
+    source=SIDECAR, unit="bytes",
+)
+RANK_STEP_AGE = _declare(
+    "robust_rank_step_age_seconds", G,
+    "Seconds since the rank last completed a step, computed at scrape time, so a rank stuck in a "
+    "collective shows its age growing.", source=SIDECAR, unit="seconds",
+)
+RANK_GPU_INFO = _declare(
+    "robust_rank_gpu_info", G, "Always 1; which GPU a rank's process uses.",
+    labels=("run", "rank", "node", "gpu", "uuid"), source=SIDECAR,
+)
+NVML_UP = _declare(
+    "robust_nvml_up", G, "1 when NVML initialised (driver present), 0 otherwise.", labels=NODE,
+    source=SIDECAR,
+)
+GPU_INFO = _declare(
+    "robust_gpu_info", G, "Always 1; identity of a GPU.", labels=(*GPU, "uuid", "name"),
+    source=SIDECAR,
+)
+GPU_LOST = _declare(
+    "robust_gpu_lost", G,
+    "1 when NVML reports the GPU lost or inaccessible (fallen off the bus), 0 otherwise.",
+    labels=GPU, source=SIDECAR,
+)
+GPU_UTILIZATION = _declare(
+    "robust_gpu_utilization_ratio", G, "Fraction of time a kernel ran on the GPU (0-1).",
+    labels=GPU, source=SIDECAR,
+)
+GPU_MEMORY_USED = _declare(
+    "robust_gpu_memory_used_bytes", G, "GPU memory in use.", labels=GPU, source=SIDECAR,
+    unit="bytes",
+)
+GPU_MEMORY_TOTAL = _declare(
+    "robust_gpu_memory_total_bytes", G, "GPU memory in total.", labels=GPU, source=SIDECAR,
+    unit="bytes",
+)
+GPU_TEMPERATURE = _declare(
+    "robust_gpu_temperature_celsius", G, "GPU core temperature.", labels=GPU, source=SIDECAR,
+    unit="celsius",
+)
+GPU_POWER = _declare(
+    "robust_gpu_power_watts", G, "GPU power draw.", labels=GPU, source=SIDECAR, unit="watts",
+)
+GPU_ENERGY = _declare(
+    "robust_gpu_energy_joules_total", C, "GPU energy consumed since the driver loaded.",
+    labels=GPU, source=SIDECAR, unit="joules",
+)
+GPU_SM_CLOCK = _declare(
+    "robust_gpu_sm_clock_hertz", G, "SM clock.", labels=GPU, source=SIDECAR, unit="hertz",
+)
+GPU_MEMORY_CLOCK = _declare(
+    "robust_gpu_memory_clock_hertz", G, "Memory clock.", labels=GPU, source=SIDECAR,
+    unit="hertz",
+)
+GPU_THROTTLE = _declare(
+    "robust_gpu_clock_throttle", G,
+    "1 when the named clock-throttle reason is active (hw_slowdown, sw_thermal, power_cap, ...).",
+    labels=(*GPU, "reason"), source=SIDECAR,
+)
+GPU_ECC_ERRORS = _declare(
+    "robust_gpu_ecc_errors_total", C,
+    "ECC errors since the driver loaded, by type (corrected, uncorrected).",
+    labels=(*GPU, "type"), source=SIDECAR,
+)
+GPU_ROW_REMAP_PENDING = _declare(
+    "robust_gpu_row_remap_pending", G, "1 when a row remap is pending (needs a GPU reset).",
+    labels=GPU, source=SIDECAR,
+)
+GPU_ROW_REMAP_FAILURE = _declare(
+    "robust_gpu_row_remap_failure", G, "1 when a row remap failed (the GPU needs replacing).",
+    labels=GPU, source=SIDECAR,
+)
+GPU_PCIE_REPLAYS = _declare(
+    "robust_gpu_pcie_replays_total", C, "PCIe replay events.", labels=GPU, source=SIDECAR,
+)
+GPU_NVLINK_ERRORS = _declare(
+    "robust_gpu_nvlink_errors_total", C, "NVLink errors by link and type (crc, replay, recovery).",
+    labels=(*GPU, "link", "type"), source=SIDECAR,
+)
+GPU_XID_ERRORS = _declare(
+    "robust_gpu_xid_errors_total", C, "XID events seen by the sidecar, by XID code.",
+    labels=(*GPU, "xid"), source=SIDECAR,
+)
+NIC_PORT_UP = _declare(
+    "robust_nic_port_up", G, "1 when the InfiniBand/RoCE port state is ACTIVE.",
+    labels=NIC_PORT, source=SIDECAR,
+)
+NIC_PORT_RATE = _declare(
+    "robust_nic_port_rate_bytes", G, "Link rate of the port in bytes per second.",
+    labels=NIC_PORT, source=SIDECAR, unit="bytes",
+)
+NIC_TRANSMIT = _declare(
+    "robust_nic_transmit_bytes_total", C, "Bytes sent by the port.", labels=NIC_PORT,
+    source=SIDECAR, unit="bytes",
+)
+NIC_RECEIVE = _declare(
+    "robust_nic_receive_bytes_total", C, "Bytes received by the port.", labels=NIC_PORT,
+    source=SIDECAR, unit="bytes",
+)
+NIC_ERRORS = _declare(
+    "robust_nic_port_errors_total", C,
+    "Port error counters by name (symbol_error, link_downed, port_rcv_errors, ...).",
+    labels=(*NIC_PORT, "counter"), source=SIDECAR,
+)
+NETDEV_CARRIER_CHANGES = _declare(
+    "robust_netdev_carrier_changes_total", C, "Carrier changes (link flaps) of a network device.",
+    labels=("node", "interface"), source=SIDECAR,
+)
+NETDEV_UP = _declare(
+    "robust_netdev_up", G, "1 when the network device has carrier.",
+    labels=("node", "interface"), source=SIDECAR,
+)
+NCCL_RAS_UP = _declare(
+    "robust_nccl_ras_up", G, "1 when NCCL's RAS service answered the last query.", labels=NODE,
+    source=SIDECAR,
+)
+NCCL_COMMUNICATORS = _declare(
+    "robust_nccl_communicators", G, "NCCL communicators known to the RAS service.", labels=NODE,
+    source=SIDECAR,
+)
+NCCL_MISSING_RANKS = _declare(
+    "robust_nccl_missing_ranks", G,
+    "Ranks the RAS service reports missing or unresponsive.", labels=NODE, source=SIDECAR,
+)
+NCCL_ERRORS = _declare(
+    "robust_nccl_errors", G, "Errors the RAS service reports in its last report.", labels=NODE,
+    source=SIDECAR,
+)
 
 # --- bridge (robust_metrics/bridge) ---------------------------------------------------------
-# The action bridge declares its metrics in this section.
+BRIDGE = Source.BRIDGE
+BRIDGE_WEBHOOKS = _declare(
+    "robust_bridge_webhook_requests_total", C, "Webhook requests received, by HTTP status.",
+    labels=("status",), source=BRIDGE,
+)
+BRIDGE_ACTIONS = _declare(
+    "robust_bridge_actions_total", C,
+    "Actions the bridge took, by run, action and result (success, failed, skipped, dry_run).",
+    labels=("run", "action", "result"), source=BRIDGE,
+)
+BRIDGE_ACTION_DURATION = _declare(
+    "robust_bridge_action_duration_seconds", H, "Duration of bridge actions.",
+    labels=("action",), source=BRIDGE, unit="seconds",
+    buckets=(0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
+)
+HANG_SUSPECT = _declare(
+    "robust_hang_suspect", G,
+    "1 for a rank that stack aggregation names as the outlier of a hung run.",
+    labels=("run", "rank", "node"), source=BRIDGE,
+)
 
-del C, G, S, H
+del C, G, S, H, SIDECAR, BRIDGE
 
 
 def all_metrics(source: Source | None = None) -> tuple[MetricSpec, ...]:
