@@ -1,0 +1,87 @@
+"""The scheduler adapter interface: the few operations the bridge asks of a job scheduler.
+
+Adapters are chosen by name in the bridge policy (`local`, `webhook`, `slurm`, `kubernetes`) and
+built from their own config block. Every operation names the run (the `run` label: Slurm job id,
+PyTorchJob name, ...) and returns an `ActionResult`; an adapter raises `SchedulerError` with a
+message a person can act on when the scheduler refuses or cannot be reached.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+__all__ = ["ActionResult", "Scheduler", "SchedulerError", "register", "create", "names"]
+
+
+class SchedulerError(RuntimeError):
+    """The scheduler refused the operation or could not be reached."""
+
+
+@dataclass(frozen=True)
+class ActionResult:
+    ok: bool
+    detail: str = ""
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+@runtime_checkable
+class Scheduler(Protocol):
+    name: str
+
+    def signal(self, run: str, signum: int) -> ActionResult:
+        """Send a signal to every task of the run (SIGUSR1 asks the hook for a checkpoint)."""
+        ...
+
+    def restart(self, run: str, reason: str) -> ActionResult:
+        """Stop the run's processes and start them again (they resume from their checkpoint)."""
+        ...
+
+    def drain_node(self, node: str, reason: str) -> ActionResult:
+        """Take a node out of scheduling, naming the alert that caused it."""
+        ...
+
+    def cancel(self, run: str, reason: str) -> ActionResult:
+        """Stop the run for good."""
+        ...
+
+
+_FACTORIES: dict[str, Callable[[Mapping[str, Any]], Scheduler]] = {}
+
+
+def register(name: str) -> Callable[[Callable[[Mapping[str, Any]], Scheduler]],
+                                    Callable[[Mapping[str, Any]], Scheduler]]:
+    """Class or factory decorator: make an adapter available by `name` in the policy."""
+
+    def decorate(factory: Callable[[Mapping[str, Any]], Scheduler]) -> Callable[
+            [Mapping[str, Any]], Scheduler]:
+        _FACTORIES[name] = factory
+        return factory
+
+    return decorate
+
+
+_BUILTIN_MODULES = {
+    "local": "robust_metrics.bridge.schedulers.local",
+    "webhook": "robust_metrics.bridge.schedulers.webhook",
+    "slurm": "robust_metrics.bridge.schedulers.slurm",
+    "kubernetes": "robust_metrics.bridge.schedulers.kubernetes",
+}
+
+
+def names() -> list[str]:
+    return sorted(set(_FACTORIES) | set(_BUILTIN_MODULES))
+
+
+def create(name: str, config: Mapping[str, Any]) -> Scheduler:
+    """Build the adapter called `name`; ValueError names the valid choices."""
+    if name not in _FACTORIES and name in _BUILTIN_MODULES:
+        import importlib
+
+        importlib.import_module(_BUILTIN_MODULES[name])
+    try:
+        factory = _FACTORIES[name]
+    except KeyError:
+        raise ValueError(f"unknown scheduler {name!r}: choose one of {', '.join(names())}") from None
+    return factory(config)
