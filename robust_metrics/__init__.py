@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from robust_metrics.hooks.watch import Watch
 
-__all__ = ["watch", "__version__"]
+__all__ = ["__version__", "watch"]
 __version__ = "0.1.0"
 
 

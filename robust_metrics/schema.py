@@ -16,16 +16,16 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 __all__ = [
+    "PHASES",
+    "RANK_INFO_LABELS",
+    "RANK_LABELS",
     "MetricSpec",
     "MetricType",
     "Source",
-    "RANK_LABELS",
-    "RANK_INFO_LABELS",
-    "PHASES",
     "all_metrics",
     "get",
-    "sample_names",
     "markdown_table",
+    "sample_names",
 ]
 
 
@@ -204,7 +204,7 @@ CUDA_PEAK = _declare(
 RANK_INFO = _declare(
     "robust_rank_info", G,
     "Always 1; topology of a rank. Join with * on(run, rank) group_left(node, ...).",
-    labels=RANK_INFO_LABELS,
+    labels=RANK_INFO_LABELS, gauge_mode="all",  # multiprocess mode keeps `pid` only in "all"
 )
 CHECKPOINT_REQUEST_ID = _declare(
     "robust_checkpoint_request_id", G,

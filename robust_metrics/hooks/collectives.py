@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["CollectiveTracker", "OP_KINDS", "group_label"]
+__all__ = ["OP_KINDS", "CollectiveTracker", "group_label"]
 
 log = logging.getLogger(__name__)
 
@@ -265,7 +265,7 @@ class CollectiveTracker:
 class _TimedWork:
     """Forwards to a `Work`; time spent in `wait()` counts as blocked."""
 
-    __slots__ = ("_work", "_tracker")
+    __slots__ = ("_tracker", "_work")
 
     def __init__(self, work: Any, tracker: CollectiveTracker) -> None:
         self._work = work

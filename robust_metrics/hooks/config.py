@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["WatchOptions", "DEFAULT_PORT", "resolve_run_id"]
+__all__ = ["DEFAULT_PORT", "WatchOptions", "resolve_run_id"]
 
 DEFAULT_PORT = 9750
 """In-process `/metrics` port of local rank 0; local rank N listens on DEFAULT_PORT + N."""

@@ -11,6 +11,7 @@ acknowledgement metric (`robust_checkpoint_request_id`) tells a waiter which req
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -20,7 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["CheckpointRequest", "ControlChannel", "write_checkpoint_request", "request_path"]
+__all__ = ["CheckpointRequest", "ControlChannel", "request_path", "write_checkpoint_request"]
 
 log = logging.getLogger(__name__)
 
@@ -95,10 +96,8 @@ class ControlChannel:
 
     def restore_signal(self) -> None:
         if self._previous_handler is not None and self._signum is not None:
-            try:
+            with contextlib.suppress(ValueError):  # not the main thread
                 signal.signal(self._signum, self._previous_handler)
-            except ValueError:  # not the main thread
-                pass
             self._previous_handler = None
 
     def poll(self, now: float) -> CheckpointRequest | None:

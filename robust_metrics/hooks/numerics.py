@@ -62,7 +62,7 @@ class LossAccumulator:
 
     def take(self) -> tuple[Any, int] | None:
         """The summed loss (tensor or float) and its micro-step count; resets for the next step."""
-        kind = True if self._counts[True] else False
+        kind = bool(self._counts[True])
         result = (self._sums[kind], self._counts[kind]) if self._counts[kind] else None
         self._sums.clear()
         self._counts = {True: 0, False: 0}

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 from robust_metrics.hooks.store import MetricStore, Series
 from robust_metrics.schema import MetricType
 
-__all__ = ["Sink", "MultiprocessSink", "HttpSink", "OtelSink", "NullSink", "make_sink"]
+__all__ = ["HttpSink", "MultiprocessSink", "NullSink", "OtelSink", "Sink", "make_sink"]
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from prometheus_client.metrics_core import Metric
 
 from robust_metrics.schema import MetricSpec, MetricType
 
-__all__ = ["MetricStore", "Series", "Sample"]
+__all__ = ["MetricStore", "Sample", "Series"]
 
 
 @dataclass(eq=False)

@@ -24,7 +24,12 @@ from robust_metrics import schema
 from robust_metrics.hooks.collectives import CollectiveTracker
 from robust_metrics.hooks.config import WatchOptions
 from robust_metrics.hooks.control import ControlChannel
-from robust_metrics.hooks.numerics import DeferredReader, LossAccumulator, grad_norm_tensor, is_finite
+from robust_metrics.hooks.numerics import (
+    DeferredReader,
+    LossAccumulator,
+    grad_norm_tensor,
+    is_finite,
+)
 from robust_metrics.hooks.sinks import NullSink, Sink, make_sink
 from robust_metrics.hooks.store import MetricStore
 

@@ -1,0 +1,1 @@
+"""`robust-metrics demo`: a real training job on this machine, watched by robust-metrics."""

@@ -1,0 +1,322 @@
+"""The hook in one process: what it publishes, and that nothing it does can stop training."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import subprocess
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+from prometheus_client.multiprocess import MultiProcessCollector
+
+import robust_metrics
+from robust_metrics.hooks.control import write_checkpoint_request
+from robust_metrics.hooks.watch import Watch
+from tests.support import free_port, require_binary
+
+
+def value(handle: Watch, name: str, **labels: str) -> float:
+    for sample in handle.store.samples():
+        series = sample.series
+        got = dict(zip(series.spec.labels, series.labels, strict=True))
+        if sample.name == name and all(got.get(k) == v for k, v in labels.items()):
+            return sample.value
+    raise KeyError(name)
+
+
+def make_model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    return model, torch.optim.SGD(model.parameters(), lr=0.01)
+
+
+def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: int, *,
+          accumulate: int = 1, clip: float | None = None, nan_step: int = -1) -> list[float]:
+    """A plain loop; returns the mean loss of each optimizer step as the user computes it."""
+    means = []
+    for step in range(steps):
+        total = 0.0
+        for _ in range(accumulate):
+            loss = model(torch.randn(4, 8)).pow(2).mean()
+            if step == nan_step:
+                loss = loss * float("nan")
+            total += float(loss.detach())
+            loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+        optimizer.zero_grad()
+        means.append(total / accumulate)
+    return means
+
+
+@pytest.fixture
+def watched() -> Iterator[tuple[torch.nn.Module, torch.optim.Optimizer, list[Watch]]]:
+    model, optimizer = make_model()
+    handles: list[Watch] = []
+    yield model, optimizer, handles
+    for h in handles:
+        h.close()
+
+
+def start(watched_: tuple, **options: object) -> Watch:  # type: ignore[type-arg]
+    model, optimizer, handles = watched_
+    options.setdefault("backend", "null")
+    options.setdefault("run", "unit")
+    options.setdefault("rank", 0)
+    options.setdefault("world_size", 1)
+    handle = robust_metrics.watch(model, optimizer, **options)
+    handles.append(handle)
+    return handle
+
+
+def test_steps_loss_and_timing_are_published(watched: tuple) -> None:  # type: ignore[type-arg]
+    handle = start(watched)
+    before = time.time()
+    losses = train(watched[0], watched[1], 5, accumulate=3)
+    assert value(handle, "robust_steps_total") == 5
+    assert value(handle, "robust_global_step") == 5
+    assert value(handle, "robust_last_step_timestamp_seconds") >= before
+    assert value(handle, "robust_step_duration_seconds_count") == 5
+    assert value(handle, "robust_step_compute_seconds_count") == 5
+    assert value(handle, "robust_data_wait_seconds_count") == 4  # no wait before the first step
+    assert value(handle, "robust_loss") == pytest.approx(losses[-1], rel=1e-5)
+    assert value(handle, "robust_phase", phase="train") == 1
+
+
+def test_grad_norm_is_what_clip_grad_norm_returned(watched: tuple) -> None:  # type: ignore[type-arg]
+    handle = start(watched)
+    model, optimizer, _ = watched
+    model(torch.randn(4, 8)).pow(2).mean().backward()
+    returned = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+    optimizer.step()
+    assert value(handle, "robust_grad_norm") == pytest.approx(float(returned), rel=1e-6)
+
+
+def test_grad_norm_is_computed_when_the_user_does_not_clip(watched: tuple) -> None:  # type: ignore[type-arg]
+    handle = start(watched)
+    model, optimizer, _ = watched
+    model(torch.randn(4, 8)).pow(2).mean().backward()
+    expected = torch.linalg.vector_norm(
+        torch.stack([p.grad.norm() for p in model.parameters()]))
+    optimizer.step()
+    assert value(handle, "robust_grad_norm") == pytest.approx(float(expected), rel=1e-5)
+
+
+def test_a_nan_loss_counts_exactly_one_nonfinite_step(watched: tuple) -> None:  # type: ignore[type-arg]
+    handle = start(watched)
+    model, optimizer, _ = watched
+    for step in range(4):
+        loss = model(torch.randn(4, 8)).pow(2).mean()
+        if step == 2:
+            loss = loss * float("nan")
+        loss.backward()
+        if step == 2:  # skip the poisoned update, as AMP's GradScaler does
+            for p in model.parameters():
+                p.grad.zero_()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert value(handle, "robust_nonfinite_loss_steps_total") == 1
+    assert math.isfinite(value(handle, "robust_loss"))
+
+
+def test_nonfinite_gradients_are_counted(watched: tuple) -> None:  # type: ignore[type-arg]
+    handle = start(watched)
+    model, optimizer, _ = watched
+    model(torch.randn(4, 8)).pow(2).mean().backward()
+    next(model.parameters()).grad[0, 0] = float("inf")
+    optimizer.step()
+    assert value(handle, "robust_nonfinite_grad_steps_total") == 1
+
+
+def test_explicit_loss_wins_over_the_captured_one(watched: tuple) -> None:  # type: ignore[type-arg]
+    handle = start(watched)
+    model, optimizer, _ = watched
+    (model(torch.randn(4, 8)).pow(2).mean() * 1024).backward()  # a scaled loss, as with AMP
+    handle.loss(0.5)
+    optimizer.step()
+    assert value(handle, "robust_loss") == 0.5
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"backend": "kafka"}, "backend='kafka'"),
+    ({"rank": -1}, "rank=-1"),
+    ({"rank": 4, "world_size": 2}, "rank=4 is not below world_size=2"),
+    ({"port": 70000}, "port=70000"),
+    ({"topology": {"dp": 1}}, "topology key 'dp'"),
+    ({"checkpoint": "save"}, "checkpoint= must be a callable"),
+    ({"run": 'a"b'}, "run="),
+    ({"trace_every": 5}, "trace_every= needs trace_dir="),
+])
+def test_bad_options_fail_at_watch_with_the_option_named(
+        watched: tuple, options: dict, message: str) -> None:  # type: ignore[type-arg]
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("(", r"\(")):
+        start(watched, **options)
+
+
+def test_unknown_option_is_named(watched: tuple) -> None:  # type: ignore[type-arg]
+    with pytest.raises(TypeError, match="checkpoint_fn"):
+        start(watched, checkpoint_fn=print)
+
+
+def test_watch_twice_in_one_process_is_refused(watched: tuple) -> None:  # type: ignore[type-arg]
+    start(watched)
+    with pytest.raises(RuntimeError, match="already active"):
+        start(watched)
+
+
+def test_exceptions_inside_the_hook_never_reach_training(
+        watched: tuple, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[type-arg]
+    handle = start(watched)
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("injected failure")
+
+    monkeypatch.setattr(handle.tracker, "take_blocked", broken)
+    monkeypatch.setattr(handle._losses, "add", broken)
+    monkeypatch.setattr(handle, "_on_gc", broken, raising=True)
+    monkeypatch.setattr(handle.sink, "flush", broken)
+    train(watched[0], watched[1], 3)  # must not raise
+    assert value(handle, "robust_hook_errors_total", where="step") == 3
+    assert value(handle, "robust_hook_errors_total", where="loss") >= 3
+
+
+def test_a_failing_metrics_folder_never_stops_training(watched: tuple, tmp_path: Path) -> None:  # type: ignore[type-arg]
+    not_a_folder = tmp_path / "file"
+    not_a_folder.write_text("x")
+    handle = start(watched, backend="multiprocess", metrics_dir=str(not_a_folder))
+    train(watched[0], watched[1], 3)
+    assert value(handle, "robust_steps_total") == 3
+    assert value(handle, "robust_hook_errors_total", where="sink") == 1
+
+
+def test_multiprocess_files_are_read_by_prometheus_client(watched: tuple, tmp_path: Path) -> None:  # type: ignore[type-arg]
+    handle = start(watched, backend="multiprocess", metrics_dir=str(tmp_path), flush_interval=0)
+    train(watched[0], watched[1], 4)
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, path=str(tmp_path))
+    assert registry.get_sample_value("robust_steps_total", {"run": "unit", "rank": "0"}) == 4
+    assert registry.get_sample_value(
+        "robust_step_duration_seconds_count", {"run": "unit", "rank": "0"}) == 4
+    info = registry.get_sample_value("robust_rank_info", {
+        "run": "unit", "rank": "0", "local_rank": "0", "world_size": "1", "node": handle.options.node,
+        "pid": str(os.getpid()), "dp_rank": "", "pp_rank": "", "tp_rank": ""})
+    assert info == 1
+    assert (tmp_path / "ranks" / f"{os.getpid()}.json").exists()
+
+
+def test_in_process_endpoint_passes_promtool(watched: tuple) -> None:  # type: ignore[type-arg]
+    promtool = require_binary("promtool")
+    port = free_port()
+    start(watched, backend="http", port=port)
+    train(watched[0], watched[1], 3)
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
+    assert b'robust_steps_total{rank="0",run="unit"} 3.0' in text
+    check = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True,
+                           timeout=30)
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert check.stdout.strip() == b"" and check.stderr.strip() == b""
+
+
+def test_a_taken_port_never_stops_training(watched: tuple) -> None:  # type: ignore[type-arg]
+    import socket
+
+    with socket.socket() as blocker:
+        blocker.bind(("0.0.0.0", 0))
+        blocker.listen()
+        handle = start(watched, backend="http", port=blocker.getsockname()[1])
+        train(watched[0], watched[1], 2)
+    assert value(handle, "robust_steps_total") == 2
+    assert value(handle, "robust_hook_errors_total", where="sink") == 1
+
+
+def test_checkpoint_request_file_runs_the_callback_once_at_a_step_boundary(
+        watched: tuple, tmp_path: Path) -> None:  # type: ignore[type-arg]
+    calls: list[int] = []
+    handle = start(watched, backend="multiprocess", metrics_dir=str(tmp_path),
+                   checkpoint=calls.append, control_poll_interval=0)
+    train(watched[0], watched[1], 2)
+    request = write_checkpoint_request(str(tmp_path))
+    train(watched[0], watched[1], 3)
+    assert calls == [3]
+    assert value(handle, "robust_checkpoint_request_id") == request.id
+    assert value(handle, "robust_last_checkpoint_timestamp_seconds") > 0
+    assert value(handle, "robust_phase", phase="train") == 1
+
+
+def test_checkpoint_request_at_step_waits_for_that_step(watched: tuple, tmp_path: Path) -> None:  # type: ignore[type-arg]
+    calls: list[int] = []
+    start(watched, backend="multiprocess", metrics_dir=str(tmp_path), checkpoint=calls.append,
+          control_poll_interval=0)
+    write_checkpoint_request(str(tmp_path), at_step=4)
+    train(watched[0], watched[1], 6)
+    assert calls == [4]
+
+
+def test_sigusr1_requests_a_checkpoint(watched: tuple) -> None:  # type: ignore[type-arg]
+    calls: list[int] = []
+    handle = start(watched, checkpoint=calls.append, start_step=100)
+    train(watched[0], watched[1], 1)
+    os.kill(os.getpid(), signal.SIGUSR1)
+    train(watched[0], watched[1], 1)
+    assert calls == [102]
+    assert value(handle, "robust_checkpoint_request_id") > 0
+
+
+def test_a_failing_checkpoint_is_counted_and_training_goes_on(watched: tuple) -> None:  # type: ignore[type-arg]
+    def fail(step: int) -> None:
+        raise OSError("disk full")
+
+    handle = start(watched, checkpoint=fail)
+    train(watched[0], watched[1], 1)
+    os.kill(os.getpid(), signal.SIGUSR1)
+    train(watched[0], watched[1], 2)
+    assert value(handle, "robust_checkpoint_failures_total") == 1
+    assert value(handle, "robust_checkpoint_request_id") > 0
+    assert value(handle, "robust_last_checkpoint_timestamp_seconds") == 0
+
+
+def test_phase_context_restores_train(watched: tuple) -> None:  # type: ignore[type-arg]
+    handle = start(watched)
+    with handle.phase("eval"):
+        assert value(handle, "robust_phase", phase="eval") == 1
+        assert value(handle, "robust_phase", phase="train") == 0
+    assert value(handle, "robust_phase", phase="train") == 1
+    with pytest.raises(ValueError, match="phase 'warmup'"):
+        handle.phase("warmup")
+
+
+def test_close_removes_every_patch(watched: tuple) -> None:  # type: ignore[type-arg]
+    backward, clip = torch.Tensor.backward, torch.nn.utils.clip_grad_norm_
+    import torch.distributed as dist
+
+    all_reduce = dist.all_reduce
+    handle = start(watched)
+    assert torch.Tensor.backward is not backward and dist.all_reduce is not all_reduce
+    handle.close()
+    assert torch.Tensor.backward is backward
+    assert torch.nn.utils.clip_grad_norm_ is clip
+    assert dist.all_reduce is all_reduce
+
+
+def test_set_step_after_resume(watched: tuple) -> None:  # type: ignore[type-arg]
+    handle = start(watched)
+    handle.set_step(500)
+    train(watched[0], watched[1], 2)
+    assert value(handle, "robust_global_step") == 502
+    assert value(handle, "robust_steps_total") == 2
+
+
+def test_gc_pauses_are_timed(watched: tuple) -> None:  # type: ignore[type-arg]
+    import gc
+
+    handle = start(watched)
+    gc.collect()
+    assert value(handle, "robust_gc_pause_seconds_count") >= 1
