@@ -31,7 +31,8 @@ def test_collective_duration_is_keyed_by_op_and_group() -> None:
 def test_names_follow_prometheus_conventions() -> None:
     for m in schema.all_metrics():
         assert re.fullmatch(r"robust_[a-z0-9_]+", m.name), m.name
-        assert m.help.strip() and m.help.strip()[0].isupper(), m.name
+        assert m.help.strip() and not m.help[0].islower(), m.name
+        assert m.help.rstrip().endswith("."), m.name
         assert "job" not in m.labels, f"{m.name}: the `job` label belongs to Prometheus"
         if m.type is schema.MetricType.COUNTER:
             assert m.name.endswith("_total"), m.name
