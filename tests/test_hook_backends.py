@@ -1,0 +1,97 @@
+"""Other sinks and the GPU-only paths, faked at the library boundary where no GPU exists."""
+
+from __future__ import annotations
+
+import datetime
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import robust_metrics
+from robust_metrics.hooks.collectives import CollectiveTracker
+
+
+def _step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    model(torch.randn(2, 4)).pow(2).mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def test_otel_backend_exports_the_same_names() -> None:
+    pytest.importorskip("opentelemetry.sdk.metrics")
+    from opentelemetry import metrics
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    reader = InMemoryMetricReader()
+    metrics.set_meter_provider(MeterProvider(metric_readers=[reader]))
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with robust_metrics.watch(model, optimizer, backend="otel", run="otel", rank=0, world_size=1):
+        for _ in range(3):
+            _step(model, optimizer)
+        data = reader.get_metrics_data()
+    points = {m.name: list(m.data.data_points)
+              for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics}
+    steps = points["robust_steps_total"]
+    assert [p.value for p in steps] == [3]
+    assert dict(steps[0].attributes) == {"run": "otel", "rank": "0"}
+    assert "robust_step_duration_seconds_count" in points
+    assert "robust_loss" in points
+
+
+def test_nccl_durations_come_from_the_completion_hook_not_futures() -> None:
+    """The NCCL path: durations from WorkInfo, never from a host-side wait (faked boundary)."""
+    registered = []
+    pg = SimpleNamespace(group_desc="dp", group_name="1",
+                         _register_on_completion_hook=registered.append)
+    tracker = CollectiveTracker(on_error=lambda where, exc: pytest.fail(f"{where}: {exc}"))
+    assert tracker.attach_nccl_completion_hook(pg)
+    started = tracker.launch("all_reduce", "dp", 1024)
+    tracker.complete("all_reduce", "dp", started, blocked=True)  # host-side return: not counted
+    info = SimpleNamespace(op_type="OpType.ALLREDUCE",
+                           active_duration=datetime.timedelta(milliseconds=7))
+    registered[0](info)
+    stats, entered, completed = tracker.snapshot()
+    assert entered == {"dp": 1} and completed == {"dp": 1}
+    assert stats[("all_reduce", "dp")].count == 1
+    assert stats[("all_reduce", "dp")].seconds == pytest.approx(0.007)
+
+
+def test_a_pending_collective_shows_as_entered_but_not_completed() -> None:
+    tracker = CollectiveTracker(on_error=lambda where, exc: None)
+    tracker.launch("all_reduce", "default_pg", 8)
+    _, entered, completed = tracker.snapshot()
+    assert entered == {"default_pg": 1}
+    assert completed.get("default_pg", 0) == 0
+
+
+@pytest.mark.gpu
+def test_the_hook_adds_no_cuda_synchronisation() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("this torch build has no CUDA (install a CUDA build of torch on a GPU machine)")
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(),
+                                torch.nn.Linear(64, 1)).cuda()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(32, 64, device="cuda")
+    handle = robust_metrics.watch(model, optimizer, backend="null", run="gpu", rank=0,
+                                  world_size=1)
+    with handle:
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in range(20):
+                loss = model(x).pow(2).mean()
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        torch.cuda.synchronize()
+        handle._reader.poll()
+        values = {s.name: s.value for s in handle.store.samples()}
+    assert values["robust_steps_total"] == 20
+    assert values["robust_loss"] > 0 and values["robust_grad_norm"] > 0
+    assert values["robust_cuda_memory_allocated_bytes"] > 0
+    assert values.get("robust_hook_errors_total", 0) == 0
