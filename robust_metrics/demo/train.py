@@ -1,0 +1,139 @@
+"""The demo's training job: a small transformer language model on gloo ranks, with the hook.
+
+Started by the demo's `local` scheduler (one process per rank, env:// rendezvous). It checkpoints
+every `--checkpoint-every` steps and whenever robust-metrics asks, and resumes from the last
+checkpoint after a restart. Faults are injected at run time through `faults.json` in the run
+folder, so the demo can play a script against a live job:
+
+    {"slow_rank": 2, "slow_seconds": 0.2}   rank 2 sleeps in every forward
+    {"nan_rank": 1, "nan_step": 120}         rank 1's loss is NaN at step 120
+    {"hang_rank": 3, "hang_step": 200}       rank 3 stops at step 200; its peers wait in all_reduce
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import robust_metrics
+
+
+class TinyLM(nn.Module):
+    """Two transformer layers over a 256-token vocabulary."""
+
+    def __init__(self, vocab: int = 256, width: int = 64, layers: int = 2, context: int = 32) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.position = nn.Parameter(torch.zeros(context, width))
+        layer = nn.TransformerEncoderLayer(width, nhead=4, dim_feedforward=4 * width,
+                                           batch_first=True, dropout=0.0)
+        self.layers = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(width, vocab)
+        self.slow_seconds = 0.0
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.slow_seconds:
+            time.sleep(self.slow_seconds)
+        h = self.embed(tokens) + self.position[: tokens.shape[1]]
+        return self.head(self.layers(h))
+
+
+class Faults:
+    """Reads `faults.json` when it changes (one stat per step)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.mtime = 0
+        self.spec: dict[str, Any] = {}
+
+    def poll(self) -> dict[str, Any]:
+        try:
+            mtime = self.path.stat().st_mtime_ns
+        except FileNotFoundError:
+            return self.spec
+        if mtime != self.mtime:
+            self.mtime = mtime
+            try:
+                self.spec = json.loads(self.path.read_text())
+            except ValueError:
+                pass  # half-written; read again next step
+        return self.spec
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--run-dir", required=True, help="folder for checkpoints and faults.json")
+    p.add_argument("--steps", type=int, default=100000)
+    p.add_argument("--step-sleep", type=float, default=0.05, help="seconds of extra work per step")
+    p.add_argument("--checkpoint-every", type=int, default=50)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    run_dir = Path(args.run_dir)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = TinyLM()
+    ddp = DDP(model)
+    optimizer = torch.optim.AdamW(ddp.parameters(), lr=3e-4)
+    ckpt = run_dir / "checkpoint.pt"
+    start = 0
+    if ckpt.exists():
+        state = torch.load(ckpt)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        start = int(state["step"])
+        print(f"rank {rank}: resumed from checkpoint at step {start}", flush=True)
+
+    def save(step: int) -> None:
+        if rank == 0:
+            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                        "step": step}, f"{ckpt}.tmp")
+            os.replace(f"{ckpt}.tmp", ckpt)
+
+    handle = robust_metrics.watch(ddp, optimizer, checkpoint=save, start_step=start,
+                                  topology={"dp_rank": rank, "pp_rank": 0, "tp_rank": 0})
+    faults = Faults(run_dir / "faults.json")
+    generator = torch.Generator().manual_seed(rank)
+    with handle:
+        for step in range(start, args.steps):
+            spec = faults.poll()
+            model.slow_seconds = float(spec.get("slow_seconds", 0.0)) if spec.get(
+                "slow_rank") == rank else 0.0
+            if spec.get("hang_rank") == rank and step >= int(spec.get("hang_step", 0)):
+                print(f"rank {rank}: hanging at step {step}", flush=True)
+                while True:
+                    time.sleep(1)
+            tokens = torch.randint(0, 256, (8, 33), generator=generator)
+            logits = ddp(tokens[:, :-1])
+            loss = nn.functional.cross_entropy(logits.reshape(-1, 256), tokens[:, 1:].reshape(-1))
+            if spec.get("nan_rank") == rank and step == int(spec.get("nan_step", -1)):
+                loss = loss * float("nan")
+            loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1.0)
+            if torch.isfinite(norm):
+                optimizer.step()
+            else:  # skip the poisoned update, but still end the step for the hook
+                optimizer.zero_grad(set_to_none=False)
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if args.step_sleep:
+                time.sleep(args.step_sleep)
+            if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
+                handle.checkpoint()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
