@@ -1,0 +1,17 @@
+"""The action bridge: Alertmanager webhooks to checkpoint, stack dump, restart and drain, once.
+
+Run it with ``robust-metrics bridge --config bridge.yaml`` (docs/bridge.md). Modules:
+
+- `config`: the policy file and its validation;      - `payload`: Alertmanager v4 validation;
+- `policy`: alert -> rule -> plan;                      - `store`: the SQLite (WAL) action log;
+- `engine`: workers, cooldown, restart budget;          - `actions`: what each action does;
+- `sidecars`: sidecar and Prometheus client;            - `signing`: HMAC-SHA256 for webhooks;
+- `service`: the `Bridge` object;  `app`: HTTP routes;  `main`: the CLI;
+- `schedulers/`: adapters chosen by name (`local`, `webhook`, `slurm`, `kubernetes`).
+
+Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+__all__: list[str] = []

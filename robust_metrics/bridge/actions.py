@@ -1,0 +1,291 @@
+"""What each action does: checkpoint, dump_stacks, restart, drain_node, notify.
+
+Plain code that knows neither HTTP routes nor SQL: it gets a `StepContext` (the incident, the
+step's options, a way to save progress durably) and returns an `Outcome`. The engine records
+the step as running before calling in and the outcome after, and asks `resumable()` after a crash.
+
+Crash behaviour per action (a step found `running` at start):
+- checkpoint: once the request ids are saved, waiting for the acknowledgement resumes;
+- dump_stacks: reads only, so it runs again;
+- restart / drain_node: resumed when the scheduler can tell whether the operation completed
+  (`local` records the step key with the new pid), otherwise failed, never repeated;
+- notify: failed, never repeated (a second page is worse than a logged gap).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from robust_metrics.bridge.config import BridgeConfig, NotifyConfig
+from robust_metrics.bridge.metrics import BridgeMetrics
+from robust_metrics.bridge.schedulers.base import ActionResult, Scheduler, SchedulerError
+from robust_metrics.bridge.sidecars import SidecarClient, SidecarError
+from robust_metrics.bridge.signing import signed_request
+from robust_metrics.bridge.store import Incident, Step
+
+__all__ = ["Actions", "Interrupted", "Notifier", "Outcome", "StepContext"]
+
+log = logging.getLogger(__name__)
+
+
+class Interrupted(Exception):
+    """The bridge is shutting down; the step stays `running` and resumes at the next start."""
+
+
+@dataclass
+class StepContext:
+    incident: Incident
+    idx: int
+    spec: dict[str, Any]
+    save: Callable[[Mapping[str, Any]], None]
+    data: dict[str, Any] = field(default_factory=dict)
+    resumed: bool = False
+
+    @property
+    def key(self) -> str:
+        """Idempotency key of this step, passed to schedulers and webhook receivers."""
+        return f"{self.incident.key}#{self.idx}"
+
+    @property
+    def options(self) -> dict[str, Any]:
+        return dict(self.spec.get("options") or {})
+
+    @property
+    def dry_run(self) -> bool:
+        return bool(self.spec.get("dry_run"))
+
+
+@dataclass(frozen=True)
+class Outcome:
+    status: str  # success, failed, skipped, dry_run
+    detail: str
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+class Notifier:
+    """POSTs a signed JSON message to `notify.url` (a chat relay, PagerDuty bridge, ...)."""
+
+    def __init__(self, config: NotifyConfig) -> None:
+        self.config = config
+
+    def send(self, payload: Mapping[str, Any], key: str) -> ActionResult:
+        body, headers = signed_request(payload, self.config.secret, key)
+        try:
+            response = httpx.post(self.config.url, content=body, headers=headers,
+                                  timeout=self.config.timeout_s)
+        except httpx.HTTPError as exc:
+            return ActionResult(False, f"notify {self.config.url} unreachable: {exc!r}")
+        if response.is_success:
+            return ActionResult(True, f"notified {self.config.url} (HTTP {response.status_code})")
+        return ActionResult(False, f"notify {self.config.url} answered HTTP "
+                            f"{response.status_code}: {response.text[:300]}")
+
+
+def _call(scheduler: Scheduler, method: str, *args: Any, key: str) -> ActionResult:
+    fn = getattr(scheduler, method)
+    if getattr(scheduler, "supports_keys", False):
+        return fn(*args, key=key)  # type: ignore[no-any-return]
+    return fn(*args)  # type: ignore[no-any-return]
+
+
+def _analyse(dumps: list[dict[str, Any]]) -> tuple[dict[str, Any] | None, str]:
+    """Aggregate with issue #8's `analysis.stacks.analyse` when it is installed."""
+    try:
+        from robust_metrics.analysis.stacks import analyse  # type: ignore[import-not-found]
+    except ImportError:
+        return None, "stack aggregation not installed; raw dumps stored"
+    rank_info = [{"run": r.get("run"), "rank": r.get("rank"), "pid": r.get("pid"),
+                  "node": d.get("node")} for d in dumps for r in d.get("ranks", [])]
+    try:
+        result = analyse(dumps, rank_info)
+    except Exception as exc:  # a bug in analysis must not lose the dumps
+        log.exception("stack analysis failed")
+        return None, f"stack analysis failed ({exc!r}); raw dumps stored"
+    return (dict(result) if isinstance(result, Mapping) else {"result": result}), "analysed"
+
+
+class Actions:
+    """Runs steps against sidecars, schedulers and the notify webhook."""
+
+    def __init__(self, config: BridgeConfig, sidecars: SidecarClient,
+                 schedulers: Mapping[str, Scheduler], metrics: BridgeMetrics,
+                 stop: threading.Event | None = None) -> None:
+        self.config = config
+        self.sidecars = sidecars
+        self.schedulers = schedulers
+        self.metrics = metrics
+        self.notifier = Notifier(config.notify) if config.notify else None
+        self.stop = stop or threading.Event()
+
+    # ------------------------------------------------------------------ dispatch
+    def run(self, ctx: StepContext) -> Outcome:
+        kind = ctx.spec["type"]
+        handler = getattr(self, f"_{kind}")
+        try:
+            return handler(ctx)  # type: ignore[no-any-return]
+        except Interrupted:
+            raise
+        except (SchedulerError, SidecarError) as exc:
+            return Outcome("failed", str(exc), ctx.data)
+        except Exception as exc:  # an action bug fails the step, not the bridge
+            log.exception("action %s of incident %s failed", kind, ctx.incident.key)
+            return Outcome("failed", f"internal error: {exc!r}", ctx.data)
+
+    def resumable(self, step: Step, incident: Incident | None) -> bool:
+        if incident is None:
+            return False
+        if step.action == "checkpoint":
+            return bool(step.data.get("requests"))
+        if step.action == "dump_stacks":
+            return True
+        if step.action in ("restart", "drain_node"):
+            plan = incident.plan[step.idx] if step.idx < len(incident.plan) else {}
+            scheduler = self.schedulers.get((plan.get("options") or {}).get("scheduler") or "")
+            completed = getattr(scheduler, "completed", None)
+            if completed is None or step.action == "drain_node":
+                return False
+            return completed(incident.run, f"{incident.key}#{step.idx}") is not None
+        return False
+
+    def _scheduler(self, ctx: StepContext) -> tuple[str, Scheduler]:
+        name = ctx.options.get("scheduler") or self.config.default_scheduler
+        if not name or name not in self.schedulers:
+            raise SchedulerError(f"no scheduler {name!r} configured for {ctx.spec['type']}")
+        return name, self.schedulers[name]
+
+    def _reason(self, ctx: StepContext) -> str:
+        i = ctx.incident
+        summary = i.annotations.get("summary", "")
+        return f"robust-metrics bridge: {i.alertname} on run {i.run}" + (
+            f": {summary}" if summary else "") + f" [{ctx.key}]"
+
+    # ------------------------------------------------------------------ actions
+    def _checkpoint(self, ctx: StepContext) -> Outcome:
+        run = ctx.incident.run
+        requests: dict[str, int] = dict(ctx.data.get("requests") or {})
+        data: dict[str, Any] = dict(ctx.data)
+        if not requests:
+            nodes = self.sidecars.nodes(run, ctx.incident.labels)
+            if ctx.dry_run:
+                return Outcome("dry_run", f"would ask the sidecars of {', '.join(nodes)} for a "
+                               f"checkpoint of run {run}", {"nodes": nodes})
+            errors: dict[str, str] = {}
+            for node in nodes:
+                try:
+                    requests[node] = self.sidecars.request_checkpoint(
+                        node, ctx.options.get("at_step"))
+                except SidecarError as exc:
+                    errors[node] = str(exc)
+            data = {"nodes": nodes, "requests": requests, "errors": errors,
+                    "deadline": time.time() + float(ctx.options.get("timeout_s", 120.0))}
+            ctx.save(data)  # from here on a crash resumes the wait instead of asking again
+            if not requests:
+                return Outcome("failed", "no sidecar took the checkpoint request: "
+                               + "; ".join(errors.values()), data)
+        deadline = float(data.get("deadline", time.time()))
+        pending = dict(requests)
+        last: dict[str, str] = {}
+        while True:
+            for node, request_id in list(pending.items()):
+                try:
+                    ok, why = self.sidecars.acknowledged(run, node, request_id)
+                except SidecarError as exc:
+                    ok, why = False, str(exc)
+                last[node] = why
+                if ok:
+                    del pending[node]
+            if not pending or time.time() >= deadline:
+                break
+            if self.stop.wait(self.config.sidecars.ack_poll_s):
+                raise Interrupted()
+        data["acknowledged"] = sorted(set(requests) - set(pending))
+        errors = dict(data.get("errors") or {})
+        if pending:
+            return Outcome("failed", "checkpoint not acknowledged before the timeout: "
+                           + "; ".join(last[n] for n in sorted(pending)), data)
+        if errors:
+            return Outcome("failed", "checkpoint acknowledged on "
+                           f"{', '.join(data['acknowledged'])} but not requested on: "
+                           + "; ".join(errors.values()), data)
+        return Outcome("success", f"checkpoint of run {run} acknowledged by all ranks on "
+                       f"{', '.join(data['acknowledged'])}", data)
+
+    def _dump_stacks(self, ctx: StepContext) -> Outcome:
+        run = ctx.incident.run
+        nodes = self.sidecars.nodes(run, ctx.incident.labels)
+        if ctx.dry_run:
+            return Outcome("dry_run", f"would collect stacks of run {run} from "
+                           f"{', '.join(nodes)}", {"nodes": nodes})
+        dumps: list[dict[str, Any]] = []
+        errors: dict[str, str] = {}
+        for node in nodes:
+            try:
+                dump = self.sidecars.stacks(node)
+            except SidecarError as exc:
+                errors[node] = str(exc)
+                continue
+            dump["ranks"] = [r for r in dump["ranks"]
+                             if not isinstance(r, Mapping) or r.get("run") in (None, run)]
+            dumps.append(dump)
+        if not dumps:
+            return Outcome("failed", "no sidecar returned stacks: " + "; ".join(errors.values()),
+                           {"nodes": nodes, "errors": errors})
+        analysis, how = _analyse(dumps)
+        data: dict[str, Any] = {"nodes": nodes, "errors": errors, "analysis": analysis}
+        if analysis is None:
+            data["dumps"] = dumps
+        for suspect in (analysis or {}).get("suspects") or []:
+            if isinstance(suspect, Mapping) and "rank" in suspect:
+                self.metrics.hang_suspect.labels(run=run, rank=str(suspect["rank"]),
+                                                 node=str(suspect.get("node", ""))).set(1)
+        ranks = sum(len(d["ranks"]) for d in dumps)
+        status = "success" if not errors else "failed"
+        missing = f"; no answer from {', '.join(sorted(errors))}" if errors else ""
+        return Outcome(status, f"stacks of {ranks} ranks from {len(dumps)} node(s), {how}"
+                       + missing, data)
+
+    def _restart(self, ctx: StepContext) -> Outcome:
+        name, scheduler = self._scheduler(ctx)
+        run = ctx.incident.run
+        if ctx.dry_run:
+            return Outcome("dry_run", f"would restart run {run} through scheduler {name}")
+        completed = getattr(scheduler, "completed", None)
+        if ctx.resumed and completed is not None and completed(run, ctx.key):
+            return Outcome("success", f"restart of run {run} had completed before the bridge "
+                           "restarted", {"scheduler": name})
+        result = _call(scheduler, "restart", run, self._reason(ctx), key=ctx.key)
+        return Outcome("success" if result.ok else "failed", result.detail,
+                       {"scheduler": name, **result.data})
+
+    def _drain_node(self, ctx: StepContext) -> Outcome:
+        name, scheduler = self._scheduler(ctx)
+        node = ctx.incident.labels.get("node")
+        if not node:
+            return Outcome("failed", "drain_node needs a `node` label on the alert")
+        if ctx.dry_run:
+            return Outcome("dry_run", f"would drain node {node} through scheduler {name}")
+        result = _call(scheduler, "drain_node", node, self._reason(ctx), key=ctx.key)
+        return Outcome("success" if result.ok else "failed", result.detail,
+                       {"scheduler": name, "node": node, **result.data})
+
+    def _notify(self, ctx: StepContext) -> Outcome:
+        i = ctx.incident
+        message = ctx.options.get("message") or i.annotations.get("summary") or (
+            f"{i.alertname} on run {i.run}")
+        if ctx.dry_run:
+            return Outcome("dry_run", f"would notify: {message}")
+        if self.notifier is None:
+            return Outcome("failed", f"cannot notify ({message}): notify.url is not set")
+        payload = {"kind": "robust-metrics-bridge", "message": message, "run": i.run,
+                   "alertname": i.alertname, "incident": i.key, "step": ctx.key,
+                   "labels": i.labels, "annotations": i.annotations,
+                   "escalated_from": ctx.spec.get("escalated_from")}
+        result = self.notifier.send(payload, ctx.key)
+        return Outcome("success" if result.ok else "failed", result.detail)

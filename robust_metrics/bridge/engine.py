@@ -1,0 +1,187 @@
+"""Runs accepted incidents through their plan, one step at a time, on a few worker threads.
+
+The webhook only records alerts (fast, durable); the engine claims due incidents from the store,
+applies the history-dependent policy (per-run cooldown, restart budget) and executes steps, each
+committed as `running` before its side effect. Incidents of one run never run concurrently.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from robust_metrics.bridge.actions import Actions, Interrupted, Outcome, StepContext
+from robust_metrics.bridge.config import BridgeConfig
+from robust_metrics.bridge.metrics import BridgeMetrics
+from robust_metrics.bridge.store import ActionStore, Incident, Step
+
+__all__ = ["Engine"]
+
+log = logging.getLogger(__name__)
+
+
+class Engine:
+    """Worker threads that drain the action log."""
+
+    def __init__(self, config: BridgeConfig, store: ActionStore, actions: Actions,
+                 metrics: BridgeMetrics) -> None:
+        self.config = config
+        self.store = store
+        self.actions = actions
+        self.metrics = metrics
+        self.stop_event = actions.stop
+        self._wake = threading.Condition()
+        self._threads: list[threading.Thread] = []
+        self._rules = {r.name: r for r in config.rules}
+
+    # ------------------------------------------------------------------ lifecycle
+    def recover(self) -> list[str]:
+        """Settle what a previous bridge process left running (call before `start`)."""
+        checks = {
+            action: (lambda step, _a=action: self.actions.resumable(
+                step, self.store.get(step.incident_id)))
+            for action in ("checkpoint", "dump_stacks", "restart", "drain_node", "notify")
+        }
+        notes = self.store.recover(checks)
+        for note in notes:
+            log.warning("recovery: %s", note)
+        return notes
+
+    def start(self) -> None:
+        for n in range(self.config.workers):
+            t = threading.Thread(target=self._loop, name=f"bridge-worker-{n}", daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.stop_event.set()
+        self.wake()
+        for t in self._threads:
+            t.join(timeout)
+        self._threads.clear()
+
+    def wake(self) -> None:
+        with self._wake:
+            self._wake.notify_all()
+
+    def _loop(self) -> None:
+        while not self.stop_event.is_set():
+            try:
+                incident = self.store.claim()
+            except Exception:
+                log.exception("claiming an incident failed")
+                incident = None
+            if incident is not None:
+                try:
+                    self.process(incident)
+                except Interrupted:
+                    return
+                except Exception:
+                    log.exception("incident %s failed in the engine", incident.key)
+                    self.store.finish_incident(incident.id, "failed", "internal error; see log")
+                self.wake()  # another run's incident may now be claimable
+                continue
+            due = self.store.next_due()
+            wait = 1.0 if due is None else min(1.0, max(0.02, due - time.time()))
+            with self._wake:
+                self._wake.wait(wait)
+
+    # ------------------------------------------------------------------ one incident
+    def process(self, incident: Incident) -> None:
+        now = time.time()
+        rule = self._rules.get(incident.rule or "")
+        if incident.started is None:
+            other = self.store.in_cooldown(incident, rule.cooldown_s if rule else 0.0, now)
+            if other is not None:
+                for spec in incident.plan:
+                    self.metrics.action(incident.run, spec["type"], "skipped", None)
+                self.store.finish_incident(
+                    incident.id, "skipped", f"cooldown: run {incident.run} acted on rule "
+                    f"{incident.rule} {now - (other.started or now):.0f}s ago (incident "
+                    f"{other.id}; cooldown {rule.cooldown_s if rule else 0:.0f}s)")
+                return
+            self.store.mark_started(incident.id, now)
+
+        plan = list(incident.plan)
+        steps = self.store.steps(incident.id)
+        idx = 0
+        if steps:
+            last = steps[-1]
+            idx = last.idx + 1
+            if last.status == "running":
+                if not self._finish(incident, plan, last.idx, self._run_step(
+                        incident, plan[last.idx], last.idx, last, resumed=True)):
+                    return
+            elif last.status == "failed" and not plan[last.idx].get("continue_on_error"):
+                self.store.finish_incident(incident.id, "failed",
+                                           f"step {last.idx} ({last.action}): {last.detail}")
+                return
+        while idx < len(plan):
+            spec = self._apply_budget(incident, plan, idx)
+            self.store.start_step(incident.id, idx, "checkpoint" if spec["type"] ==
+                                  "checkpoint_skipped" else spec["type"])
+            if not self._finish(incident, plan, idx,
+                                self._run_step(incident, spec, idx, None, resumed=False)):
+                return
+            idx += 1
+        self.store.finish_incident(incident.id, "done")
+
+    def _apply_budget(self, incident: Incident, plan: list[dict[str, Any]],
+                      idx: int) -> dict[str, Any]:
+        """Restart budget: past N restarts of this run in the window, escalate to notify."""
+        spec = plan[idx]
+        is_restart = spec["type"] == "restart"
+        before_restart = spec["type"] == "checkpoint" and (spec.get("options") or {}).get(
+            "before_restart")
+        if not (is_restart or before_restart):
+            return spec
+        window = self.config.restart_window_s
+        used = self.store.count_steps(incident.run, "restart", time.time() - window)
+        if used < self.config.restart_budget:
+            return spec
+        why = (f"restart budget exhausted: {used} restarts of run {incident.run} in the last "
+               f"{window:.0f}s (limit {self.config.restart_budget})")
+        if before_restart:
+            new = {**spec, "type": "checkpoint_skipped", "reason": why}
+        else:
+            self.metrics.action(incident.run, "restart", "skipped", None)
+            new = {"type": "notify", "continue_on_error": False, "dry_run": spec.get("dry_run"),
+                   "escalated_from": "restart",
+                   "options": {"message": f"{why}; escalating instead of restarting "
+                               f"({incident.alertname})"}}
+        plan[idx] = new
+        self.store.set_plan(incident.id, plan)
+        return new
+
+    def _run_step(self, incident: Incident, spec: Mapping[str, Any], idx: int,
+                  step: Step | None, *, resumed: bool) -> tuple[Outcome, float]:
+        t0 = time.monotonic()
+        if spec["type"] == "checkpoint_skipped":
+            return Outcome("skipped", str(spec.get("reason", ""))), 0.0
+
+        def save(data: Mapping[str, Any]) -> None:
+            self.store.save_step_data(incident.id, idx, data)
+
+        ctx = StepContext(incident, idx, dict(spec), save, dict(step.data) if step else {},
+                          resumed)
+        outcome = self.actions.run(ctx)
+        return outcome, time.monotonic() - t0
+
+    def _finish(self, incident: Incident, plan: list[dict[str, Any]], idx: int,
+                result: tuple[Outcome, float]) -> bool:
+        """Record the step; False when the chain stops here."""
+        outcome, seconds = result
+        spec = plan[idx]
+        action = "checkpoint" if spec["type"] == "checkpoint_skipped" else spec["type"]
+        self.store.finish_step(incident.id, idx, outcome.status, outcome.detail, outcome.data)
+        self.metrics.action(incident.run, action, outcome.status, seconds)
+        log.info("incident %s step %d %s: %s (%s)", incident.key, idx, action, outcome.status,
+                 outcome.detail)
+        if outcome.status == "failed" and not spec.get("continue_on_error"):
+            self.store.finish_incident(incident.id, "failed",
+                                       f"step {idx} ({action}): {outcome.detail}")
+            return False
+        return True

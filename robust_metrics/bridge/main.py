@@ -1,0 +1,67 @@
+"""`robust-metrics bridge --config bridge.yaml`: validate the policy, then serve the webhook."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+__all__ = ["configure", "run"]
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", required=True, metavar="FILE",
+                        help="policy YAML (see docs/bridge.md and examples/bridge.yaml)")
+    parser.add_argument("--host", default=None,
+                        help="listen address (overrides listen.host; default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=None,
+                        help="listen port (overrides listen.port; default 9095)")
+    parser.add_argument("--database", default=None,
+                        help="SQLite action log (overrides `database`)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="record what every action would do, do nothing")
+    parser.add_argument("--check", action="store_true",
+                        help="validate the policy file and exit (0 when valid)")
+    parser.add_argument("--log-level", default="info",
+                        choices=["debug", "info", "warning", "error"])
+
+
+def run(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from robust_metrics.bridge.config import ConfigError, load
+
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = load(args.config)
+    except ConfigError as exc:
+        print(f"robust-metrics bridge: invalid policy: {exc}", file=sys.stderr)
+        return 2
+    overrides = {k: v for k, v in (("host", args.host), ("port", args.port),
+                                   ("database", args.database)) if v is not None}
+    if args.dry_run:
+        overrides["dry_run"] = True
+    config = dataclasses.replace(config, **overrides)
+    try:
+        from robust_metrics.bridge.schedulers import base
+
+        for s in config.schedulers.values():
+            base.create(s.type, s.options)
+    except (ValueError, base.SchedulerError) as exc:
+        print(f"robust-metrics bridge: invalid scheduler config: {exc}", file=sys.stderr)
+        return 2
+    if args.check:
+        print(f"{args.config}: valid ({len(config.rules)} rules, schedulers: "
+              f"{', '.join(config.schedulers) or 'none'})")
+        return 0
+
+    import uvicorn
+
+    from robust_metrics.bridge.app import create_app
+    from robust_metrics.bridge.service import Bridge
+
+    app = create_app(Bridge(config))
+    uvicorn.run(app, host=config.host, port=config.port, log_level=args.log_level,
+                access_log=args.log_level == "debug")
+    return 0

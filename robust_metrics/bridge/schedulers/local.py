@@ -1,0 +1,240 @@
+"""The `local` scheduler: starts a command per run on this machine and restarts it on request.
+
+It is what the demo uses to restart a `torchrun` job, and what a single-node user can use as is.
+The process of each run is started in its own session (process group), so a restart stops the
+whole tree (torchrun and its workers): SIGTERM to the group, `stop_timeout_s` to exit, then SIGKILL.
+
+The pid, its start time and the id of the last operation are kept in `state_dir/<run>.json`, so a
+bridge that was killed and started again still knows which process to stop (and does not kill a
+stranger that reused the pid), and can tell whether an interrupted restart completed.
+
+Config::
+
+    schedulers:
+      local:
+        type: local
+        command: ["torchrun", "--nproc-per-node=2", "train.py", "--run-id={run}"]
+        cwd: .                   # default: the policy file's folder
+        env: {OMP_NUM_THREADS: "1"}
+        state_dir: bridge-state  # default: local-scheduler next to the policy file
+        log_dir: bridge-logs     # default: state_dir; each run appends to <run>.log
+        stop_timeout_s: 30
+
+`{run}` in the command or env values is replaced by the run name; ROBUST_METRICS_RUN is set too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from robust_metrics.bridge.schedulers.base import ActionResult, SchedulerError, register
+
+__all__ = ["LocalScheduler"]
+
+_KEYS = {"command", "cwd", "env", "state_dir", "log_dir", "stop_timeout_s", "_base_dir"}
+_SAFE = re.compile(r"[^A-Za-z0-9_.-]")
+
+
+class LocalScheduler:
+    """Start, restart, signal and stop one process group per run."""
+
+    name = "local"
+    supports_keys = True
+
+    def __init__(self, config: Mapping[str, Any]) -> None:
+        unknown = sorted(set(config) - _KEYS)
+        if unknown:
+            raise ValueError(f"local scheduler: unknown key(s) {', '.join(unknown)} "
+                             f"(allowed: {', '.join(sorted(_KEYS - {'_base_dir'}))})")
+        command = config.get("command")
+        if isinstance(command, str):
+            command = shlex.split(command)
+        if not isinstance(command, list) or not command or not all(
+                isinstance(c, str) for c in command):
+            raise ValueError("local scheduler: `command` must be a non-empty list of strings "
+                             "(or one shell-quoted string)")
+        base = Path(str(config.get("_base_dir", ".")))
+        self.command: list[str] = command
+        self.cwd = str((base / str(config.get("cwd", "."))).resolve())
+        env = config.get("env") or {}
+        if not isinstance(env, Mapping):
+            raise ValueError("local scheduler: `env` must be a mapping of strings")
+        self.env = {str(k): str(v) for k, v in env.items()}
+        self.state_dir = (base / str(config.get("state_dir", "local-scheduler"))).resolve()
+        self.log_dir = (base / str(config["log_dir"])).resolve() if config.get(
+            "log_dir") else self.state_dir
+        self.stop_timeout_s = float(config.get("stop_timeout_s", 30.0))
+        self._lock = threading.RLock()
+        self._children: dict[int, subprocess.Popen[bytes]] = {}
+
+    # ------------------------------------------------------------------ state
+    def _state_path(self, run: str) -> Path:
+        return self.state_dir / f"{_SAFE.sub('_', run)}.json"
+
+    def state(self, run: str) -> dict[str, Any]:
+        """The recorded process of `run` (empty when it was never started here)."""
+        try:
+            return dict(json.loads(self._state_path(run).read_text()))
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as exc:
+            raise SchedulerError(f"local scheduler: unreadable state for run {run!r}: {exc}") \
+                from None
+
+    def _write_state(self, run: str, state: Mapping[str, Any]) -> None:
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        path = self._state_path(run)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(dict(state)))
+        os.replace(tmp, path)
+
+    def _process(self, state: Mapping[str, Any]) -> psutil.Process | None:
+        """The recorded process if it is still the same one (pid and start time) and alive."""
+        pid = state.get("pid")
+        if not pid:
+            return None
+        try:
+            proc = psutil.Process(int(pid))
+            if abs(proc.create_time() - float(state.get("create_time", 0))) > 0.5:
+                return None
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                self._reap(int(pid))
+                return None
+            return proc
+        except psutil.Error:
+            return None
+
+    def _reap(self, pid: int) -> None:
+        child = self._children.pop(pid, None)
+        if child is not None:
+            with contextlib.suppress(Exception):
+                child.wait(timeout=1)
+
+    def running(self, run: str) -> bool:
+        return self._process(self.state(run)) is not None
+
+    # ------------------------------------------------------------------ operations
+    def start(self, run: str, *, key: str | None = None, reason: str = "start") -> ActionResult:
+        """Start the run's command unless it is running already."""
+        with self._lock:
+            state = self.state(run)
+            proc = self._process(state)
+            if proc is not None:
+                return ActionResult(True, f"run {run} already running as pid {proc.pid}",
+                                    {"pid": proc.pid, "generation": state.get("generation", 0)})
+            return self._spawn(run, state, key, reason)
+
+    def _spawn(self, run: str, state: Mapping[str, Any], key: str | None,
+               reason: str) -> ActionResult:
+        argv = [part.replace("{run}", run) for part in self.command]
+        env = {**os.environ, **{k: v.replace("{run}", run) for k, v in self.env.items()},
+               "ROBUST_METRICS_RUN": run}
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log_path = self.log_dir / f"{_SAFE.sub('_', run)}.log"
+        try:
+            with open(log_path, "ab") as log:
+                child = subprocess.Popen(argv, cwd=self.cwd, env=env, stdout=log,
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         start_new_session=True)
+        except OSError as exc:
+            raise SchedulerError(f"local scheduler: cannot start {argv[0]!r} for run {run}: "
+                                 f"{exc.strerror}") from None
+        self._children[child.pid] = child
+        try:
+            create_time = psutil.Process(child.pid).create_time()
+        except psutil.Error:
+            create_time = time.time()
+        generation = int(state.get("generation", 0)) + 1
+        self._write_state(run, {"pid": child.pid, "create_time": create_time,
+                                "generation": generation, "last_key": key, "reason": reason,
+                                "started": time.time(), "argv": argv})
+        return ActionResult(True, f"started run {run} as pid {child.pid} (generation "
+                            f"{generation})", {"pid": child.pid, "generation": generation,
+                                               "log": str(log_path)})
+
+    def _stop(self, run: str, state: Mapping[str, Any]) -> int | None:
+        """Stop the run's process group; returns the stopped pid (None when nothing ran)."""
+        proc = self._process(state)
+        if proc is None:
+            return None
+        pgid = proc.pid  # started with start_new_session: the group is the leader's pid
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=self.stop_timeout_s)
+        except psutil.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pgid, signal.SIGKILL)
+            with contextlib.suppress(psutil.Error):
+                proc.wait(timeout=10)
+        except psutil.Error:
+            pass
+        # The leader is gone; stragglers of its group (workers that ignored SIGTERM) go too.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGKILL)
+        self._reap(proc.pid)
+        return proc.pid
+
+    def restart(self, run: str, reason: str, *, key: str | None = None) -> ActionResult:
+        with self._lock:
+            state = self.state(run)
+            if not state:
+                raise SchedulerError(f"local scheduler: run {run!r} was never started by this "
+                                     "bridge; nothing to restart")
+            old = self._stop(run, state)
+            result = self._spawn(run, state, key, reason)
+        was = f"pid {old} stopped" if old else "it was not running"
+        return ActionResult(True, f"restarted run {run} ({was}); {result.detail}",
+                            {**result.data, "stopped_pid": old})
+
+    def signal(self, run: str, signum: int, *, key: str | None = None) -> ActionResult:
+        with self._lock:
+            proc = self._process(self.state(run))
+            if proc is None:
+                return ActionResult(False, f"run {run} is not running")
+            os.killpg(proc.pid, signum)
+        return ActionResult(True, f"sent signal {signum} to run {run} (pgid {proc.pid})")
+
+    def drain_node(self, node: str, reason: str, *, key: str | None = None) -> ActionResult:
+        return ActionResult(False, "the local scheduler runs on one machine and cannot drain "
+                            f"node {node}; use the slurm, kubernetes or webhook scheduler")
+
+    def cancel(self, run: str, reason: str, *, key: str | None = None) -> ActionResult:
+        with self._lock:
+            state = self.state(run)
+            old = self._stop(run, state)
+            if state:
+                self._write_state(run, {**state, "pid": None, "last_key": key})
+        return ActionResult(True, f"stopped run {run} (pid {old})" if old else
+                            f"run {run} was not running")
+
+    def completed(self, run: str, key: str) -> bool | None:
+        """Whether the operation `key` finished (a restart records its key with the new pid)."""
+        try:
+            return self.state(run).get("last_key") == key
+        except SchedulerError:
+            return None
+
+    def close(self) -> None:
+        """Reap finished children; running jobs are left running (they outlive the bridge)."""
+        for pid, child in list(self._children.items()):
+            if child.poll() is not None:
+                self._children.pop(pid, None)
+
+
+@register("local")
+def _factory(config: Mapping[str, Any]) -> LocalScheduler:
+    return LocalScheduler(config)

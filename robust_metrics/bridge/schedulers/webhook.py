@@ -1,0 +1,115 @@
+"""The `webhook` scheduler: every operation is a signed JSON POST to a service you run.
+
+For schedulers the bridge has no adapter for (an internal job service, a ChatOps bot, a runbook
+automation): the receiver gets ``{"operation": "restart", "run": ..., "reason": ...}`` with an
+HMAC-SHA256 signature header (see `robust_metrics.bridge.signing`) and an `Idempotency-Key`
+header naming the bridge step, so it can drop a request it has already handled.
+
+Config::
+
+    schedulers:
+      ops:
+        type: webhook
+        url: https://jobs.example.com/hooks/robust
+        secret_file: /etc/robust/webhook.secret   # or secret / secret_env
+        timeout_s: 10
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from robust_metrics.bridge.schedulers.base import ActionResult, SchedulerError, register
+from robust_metrics.bridge.signing import signed_request
+
+__all__ = ["WebhookScheduler"]
+
+_KEYS = {"url", "secret", "secret_file", "secret_env", "timeout_s", "headers", "_base_dir"}
+
+
+def _secret(config: Mapping[str, Any]) -> str | None:
+    if config.get("secret"):
+        return str(config["secret"])
+    if config.get("secret_file"):
+        path = Path(config.get("_base_dir", ".")) / str(config["secret_file"])
+        try:
+            return path.read_text().strip()
+        except OSError as exc:
+            raise ValueError(f"webhook scheduler: cannot read secret_file {path}: "
+                             f"{exc.strerror}") from None
+    if config.get("secret_env"):
+        value = os.environ.get(str(config["secret_env"]))
+        if not value:
+            raise ValueError(f"webhook scheduler: environment variable {config['secret_env']} "
+                             "is not set")
+        return value
+    return None
+
+
+class WebhookScheduler:
+    """Scheduler operations as signed HTTP POSTs; a 2xx answer means the receiver took it."""
+
+    name = "webhook"
+    supports_keys = True
+
+    def __init__(self, config: Mapping[str, Any]) -> None:
+        unknown = sorted(set(config) - _KEYS)
+        if unknown:
+            raise ValueError(f"webhook scheduler: unknown key(s) {', '.join(unknown)} "
+                             f"(allowed: {', '.join(sorted(_KEYS - {'_base_dir'}))})")
+        url = config.get("url")
+        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+            raise ValueError(f"webhook scheduler: `url` must be an http(s) URL, got {url!r}")
+        self.url = url
+        self.secret = _secret(config)
+        self.timeout_s = float(config.get("timeout_s", 10.0))
+        headers = config.get("headers") or {}
+        if not isinstance(headers, Mapping):
+            raise ValueError("webhook scheduler: `headers` must be a mapping")
+        self.headers = {str(k): str(v) for k, v in headers.items()}
+
+    def _post(self, payload: dict[str, Any], key: str | None) -> ActionResult:
+        payload = {**payload, "sent_at": time.time()}
+        body, headers = signed_request(payload, self.secret, key)
+        try:
+            response = httpx.post(self.url, content=body, headers={**self.headers, **headers},
+                                  timeout=self.timeout_s)
+        except httpx.HTTPError as exc:
+            raise SchedulerError(f"webhook {self.url} unreachable: {exc!r}") from exc
+        text = response.text[:500]
+        if response.is_success:
+            try:
+                data = response.json() if text else {}
+            except ValueError:
+                data = {"body": text}
+            return ActionResult(True, f"{payload['operation']} accepted by {self.url} "
+                                f"(HTTP {response.status_code})",
+                                data if isinstance(data, dict) else {"body": data})
+        return ActionResult(False, f"{self.url} answered HTTP {response.status_code}: {text}")
+
+    def signal(self, run: str, signum: int, *, key: str | None = None) -> ActionResult:
+        return self._post({"operation": "signal", "run": run, "signum": int(signum)}, key)
+
+    def restart(self, run: str, reason: str, *, key: str | None = None) -> ActionResult:
+        return self._post({"operation": "restart", "run": run, "reason": reason}, key)
+
+    def drain_node(self, node: str, reason: str, *, key: str | None = None) -> ActionResult:
+        return self._post({"operation": "drain_node", "node": node, "reason": reason}, key)
+
+    def cancel(self, run: str, reason: str, *, key: str | None = None) -> ActionResult:
+        return self._post({"operation": "cancel", "run": run, "reason": reason}, key)
+
+    def completed(self, run: str, key: str) -> bool | None:
+        """Whether the step `key` reached the receiver: unknowable from here."""
+        return None
+
+
+@register("webhook")
+def _factory(config: Mapping[str, Any]) -> WebhookScheduler:
+    return WebhookScheduler(config)

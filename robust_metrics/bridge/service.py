@@ -1,0 +1,80 @@
+"""The bridge as one object: store, engine, schedulers and the accept logic, without HTTP.
+
+`Bridge.handle()` turns a validated Alertmanager notification into incidents: firing alerts are
+matched to a rule and recorded once (fingerprint + startsAt), resolved ones cancel what has not
+acted yet. The HTTP layer (`app.py`) only authenticates, limits and validates.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from robust_metrics.bridge import policy
+from robust_metrics.bridge.actions import Actions
+from robust_metrics.bridge.config import BridgeConfig
+from robust_metrics.bridge.engine import Engine
+from robust_metrics.bridge.metrics import BridgeMetrics
+from robust_metrics.bridge.payload import Notification
+from robust_metrics.bridge.schedulers import base as schedulers_base
+from robust_metrics.bridge.sidecars import SidecarClient
+from robust_metrics.bridge.store import ActionStore, NewAlert
+
+__all__ = ["Bridge"]
+
+log = logging.getLogger(__name__)
+
+
+class Bridge:
+    """Everything a running bridge holds; `start()` recovers and starts the workers."""
+
+    def __init__(self, config: BridgeConfig) -> None:
+        self.config = config
+        self.metrics = BridgeMetrics()
+        self.schedulers = {name: schedulers_base.create(s.type, s.options)
+                           for name, s in config.schedulers.items()}
+        self.store = ActionStore(config.database)
+        self.sidecars = SidecarClient(config.sidecars, config.prometheus_url)
+        self.actions = Actions(config, self.sidecars, self.schedulers, self.metrics)
+        self.engine = Engine(config, self.store, self.actions, self.metrics)
+        self.recovery_notes: list[str] = []
+
+    def start(self) -> None:
+        self.recovery_notes = self.engine.recover()
+        self.engine.start()
+
+    def close(self) -> None:
+        self.engine.stop()
+        self.sidecars.close()
+        for scheduler in self.schedulers.values():
+            close = getattr(scheduler, "close", None)
+            if callable(close):
+                close()
+        self.store.close()
+
+    def handle(self, notification: Notification) -> dict[str, Any]:
+        """Record a notification; returns counts for the webhook's answer."""
+        new: list[NewAlert] = []
+        resolved: list[tuple[str, str, str, str]] = []
+        run_label = self.config.run_label
+        for alert in notification.alerts:
+            run = alert.labels.get(run_label, "")
+            name = alert.labels["alertname"]
+            if alert.status == "resolved":
+                resolved.append((alert.fingerprint, alert.starts_at, run, name))
+                continue
+            rule = policy.match_rule(self.config, alert.labels)
+            plan = policy.build_plan(self.config, rule, alert.labels) if rule else []
+            not_before = policy.not_before(rule, alert.starts_at) if rule else 0.0
+            new.append(NewAlert(alert.fingerprint, alert.starts_at, run, name, alert.labels,
+                                alert.annotations, rule.name if rule else None, plan,
+                                not_before))
+        fresh = self.store.accept(new) if new else []
+        cancelled = self.store.resolve(resolved) if resolved else 0
+        if any(fresh):
+            self.engine.wake()
+        matched = [a for a, f in zip(new, fresh, strict=True) if f and a.rule]
+        return {"accepted": len(matched),
+                "duplicates": sum(1 for f in fresh if not f),
+                "unmatched": sum(1 for a, f in zip(new, fresh, strict=True) if f and not a.rule),
+                "resolved": len(resolved), "cancelled": cancelled}

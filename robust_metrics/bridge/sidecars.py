@@ -1,0 +1,138 @@
+"""Talking to the node sidecars and to Prometheus: where a run's ranks are, and what they said.
+
+The sidecar (issue #3) offers `POST /control/checkpoint` (bearer token; body `{"at_step": n}`;
+answers `{"id": n}`), `GET /debug/stacks` (`{node, ranks: [{run, rank, pid, threads, error}]}`) and
+`/metrics`, where each rank's `robust_checkpoint_request_id` acknowledges the newest checkpoint
+request it has handled. Nodes of a run come from the alert (`node`, or `nodes` comma-separated) or
+from Prometheus (`robust_rank_info{run=...}`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from robust_metrics import schema
+from robust_metrics.bridge.config import SidecarConfig
+
+__all__ = ["SidecarClient", "SidecarError", "nodes_from_labels"]
+
+ACK_METRIC = schema.get("robust_checkpoint_request_id").name
+INFO_METRIC = schema.get("robust_rank_info").name
+
+
+class SidecarError(RuntimeError):
+    """A sidecar or Prometheus could not be reached or gave an unusable answer."""
+
+
+def nodes_from_labels(labels: Mapping[str, str]) -> list[str]:
+    raw = labels.get("nodes") or labels.get("node") or ""
+    return sorted({n.strip() for n in raw.split(",") if n.strip()})
+
+
+def _promql_string(value: str) -> str:
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+class SidecarClient:
+    """HTTP client for sidecars (bearer token) and the Prometheus query API."""
+
+    def __init__(self, config: SidecarConfig, prometheus_url: str | None = None) -> None:
+        self.config = config
+        self.prometheus_url = prometheus_url.rstrip("/") if prometheus_url else None
+        headers = {"User-Agent": "robust-metrics-bridge"}
+        if config.token:
+            headers["Authorization"] = f"Bearer {config.token}"
+        self._http = httpx.Client(timeout=config.timeout_s, headers=headers)
+        self._prom = httpx.Client(timeout=config.timeout_s)
+
+    def close(self) -> None:
+        self._http.close()
+        self._prom.close()
+
+    # ------------------------------------------------------------------ Prometheus
+    def query(self, promql: str) -> list[dict[str, Any]]:
+        if not self.prometheus_url:
+            raise SidecarError("prometheus.url is not configured")
+        try:
+            response = self._prom.get(f"{self.prometheus_url}/api/v1/query",
+                                      params={"query": promql})
+            body = response.json()
+        except (httpx.HTTPError, ValueError) as exc:
+            raise SidecarError(f"Prometheus query failed: {exc!r}") from exc
+        if body.get("status") != "success":
+            raise SidecarError(f"Prometheus refused {promql!r}: {body.get('error', body)}")
+        return list(body["data"]["result"])
+
+    def nodes(self, run: str, labels: Mapping[str, str]) -> list[str]:
+        """The run's nodes: from the alert labels, else from robust_rank_info in Prometheus."""
+        nodes = nodes_from_labels(labels)
+        if nodes:
+            return nodes
+        if not self.prometheus_url:
+            raise SidecarError(f"no node for run {run!r}: the alert has no `node` label and "
+                               "prometheus.url is not configured")
+        result = self.query(f"group by (node) ({INFO_METRIC}{{run={_promql_string(run)}}})")
+        nodes = sorted({r["metric"].get("node", "") for r in result} - {""})
+        if not nodes:
+            raise SidecarError(f"Prometheus knows no ranks of run {run!r} ({INFO_METRIC})")
+        return nodes
+
+    # ------------------------------------------------------------------ sidecar
+    def _call(self, method: str, node: str, path: str, **kwargs: Any) -> httpx.Response:
+        url = self.config.url(node).rstrip("/") + path
+        try:
+            response = self._http.request(method, url, **kwargs)
+        except httpx.HTTPError as exc:
+            raise SidecarError(f"sidecar of node {node} ({url}) unreachable: {exc!r}") from exc
+        if not response.is_success:
+            raise SidecarError(f"sidecar of node {node} answered {method} {path} with HTTP "
+                               f"{response.status_code}: {response.text[:300]}")
+        return response
+
+    def request_checkpoint(self, node: str, at_step: int | None = None) -> int:
+        body = {} if at_step is None else {"at_step": at_step}
+        response = self._call("POST", node, "/control/checkpoint", json=body)
+        try:
+            return int(response.json()["id"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise SidecarError(f"sidecar of node {node}: checkpoint answer without an id: "
+                               f"{response.text[:200]}") from exc
+
+    def stacks(self, node: str, timeout_s: float | None = None) -> dict[str, Any]:
+        response = self._call("GET", node, "/debug/stacks",
+                              timeout=timeout_s or max(self.config.timeout_s, 30.0))
+        try:
+            data = response.json()
+        except ValueError as exc:
+            raise SidecarError(f"sidecar of node {node}: stacks are not JSON") from exc
+        if not isinstance(data, dict) or not isinstance(data.get("ranks"), list):
+            raise SidecarError(f"sidecar of node {node}: stacks answer has no `ranks` list")
+        data.setdefault("node", node)
+        return data
+
+    def acknowledged(self, run: str, node: str, request_id: int) -> tuple[bool, str]:
+        """Whether every rank of `run` on `node` has handled request `request_id`."""
+        if self.config.ack_source == "prometheus":
+            sel = f"{{run={_promql_string(run)}}}"
+            result = self.query(
+                f"min by (node) ({ACK_METRIC}{sel} * on(run, rank) group_left(node) "
+                f"(max by (run, rank, node) ({INFO_METRIC}{sel})))")
+            values = {r["metric"].get("node"): float(r["value"][1]) for r in result}
+            if node not in values:
+                return False, f"no {ACK_METRIC} for run {run} on node {node} in Prometheus"
+            low = values[node]
+        else:
+            text = self._call("GET", node, "/metrics").text
+            acks = [s.value for fam in text_string_to_metric_families(text)
+                    for s in fam.samples
+                    if s.name == ACK_METRIC and s.labels.get("run") == run]
+            if not acks:
+                return False, f"sidecar of node {node} shows no {ACK_METRIC} for run {run}"
+            low = min(acks)
+        if low >= request_id:
+            return True, f"node {node}: all ranks acknowledged request {request_id}"
+        return False, f"node {node}: slowest rank acknowledged {int(low)}, waiting for {request_id}"

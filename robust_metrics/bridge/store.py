@@ -1,0 +1,376 @@
+"""The durable action log: one SQLite database in WAL mode, the bridge's only state.
+
+Exactly-once rests on two facts kept here. An alert instance (fingerprint + startsAt) is inserted
+once under a UNIQUE key, so re-sent and grouped notifications find their row and do nothing. A step
+row is committed as `running` *before* its side effect and finished after it, so a bridge killed
+mid-action finds the row on restart and resumes or fails it, and never starts it a second time.
+
+Incident statuses: pending (waiting for a worker or for its `for` guard), running, done, failed,
+skipped (cooldown), cancelled (resolved before it acted), ignored (no rule matched).
+Step statuses: running, success, failed, skipped, dry_run.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["ActionStore", "Incident", "NewAlert", "Step", "incident_key"]
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS incidents (
+    id INTEGER PRIMARY KEY,
+    key TEXT NOT NULL UNIQUE,
+    fingerprint TEXT NOT NULL,
+    starts_at TEXT NOT NULL,
+    run TEXT NOT NULL,
+    alertname TEXT NOT NULL,
+    rule TEXT,
+    labels TEXT NOT NULL,
+    annotations TEXT NOT NULL,
+    plan TEXT NOT NULL,
+    status TEXT NOT NULL,
+    reason TEXT NOT NULL DEFAULT '',
+    not_before REAL NOT NULL,
+    received REAL NOT NULL,
+    started REAL,
+    updated REAL NOT NULL,
+    notifications INTEGER NOT NULL DEFAULT 1
+);
+CREATE INDEX IF NOT EXISTS incidents_status ON incidents(status, not_before);
+CREATE INDEX IF NOT EXISTS incidents_run ON incidents(run, rule, started);
+CREATE TABLE IF NOT EXISTS steps (
+    incident_id INTEGER NOT NULL REFERENCES incidents(id),
+    idx INTEGER NOT NULL,
+    action TEXT NOT NULL,
+    status TEXT NOT NULL,
+    detail TEXT NOT NULL DEFAULT '',
+    data TEXT NOT NULL DEFAULT '{}',
+    started REAL NOT NULL,
+    finished REAL,
+    PRIMARY KEY (incident_id, idx)
+);
+CREATE INDEX IF NOT EXISTS steps_action ON steps(action, started);
+"""
+
+FINAL_INCIDENT = ("done", "failed", "skipped", "cancelled", "ignored")
+
+
+def incident_key(fingerprint: str, starts_at: str) -> str:
+    """The idempotency key of one alert instance (Alertmanager keeps startsAt across re-sends)."""
+    return f"{fingerprint}@{starts_at}"
+
+
+@dataclass(frozen=True)
+class NewAlert:
+    """A firing alert as the webhook accepted it, with the rule chosen for it (or none)."""
+
+    fingerprint: str
+    starts_at: str
+    run: str
+    alertname: str
+    labels: Mapping[str, str]
+    annotations: Mapping[str, str]
+    rule: str | None
+    plan: list[dict[str, Any]]
+    not_before: float
+
+    @property
+    def key(self) -> str:
+        return incident_key(self.fingerprint, self.starts_at)
+
+
+@dataclass(frozen=True)
+class Step:
+    incident_id: int
+    idx: int
+    action: str
+    status: str
+    detail: str
+    data: dict[str, Any]
+    started: float
+    finished: float | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"idx": self.idx, "action": self.action, "status": self.status,
+                "detail": self.detail, "data": self.data, "started": self.started,
+                "finished": self.finished}
+
+
+@dataclass(frozen=True)
+class Incident:
+    id: int
+    key: str
+    fingerprint: str
+    starts_at: str
+    run: str
+    alertname: str
+    rule: str | None
+    labels: dict[str, str]
+    annotations: dict[str, str]
+    plan: list[dict[str, Any]]
+    status: str
+    reason: str
+    not_before: float
+    received: float
+    started: float | None
+    updated: float
+    notifications: int
+
+    def to_dict(self, steps: Iterable[Step] = ()) -> dict[str, Any]:
+        return {"id": self.id, "key": self.key, "fingerprint": self.fingerprint,
+                "starts_at": self.starts_at, "run": self.run, "alertname": self.alertname,
+                "rule": self.rule, "labels": self.labels, "status": self.status,
+                "reason": self.reason, "received": self.received, "started": self.started,
+                "updated": self.updated, "notifications": self.notifications,
+                "steps": [s.to_dict() for s in steps]}
+
+
+def _incident(row: sqlite3.Row) -> Incident:
+    return Incident(
+        row["id"], row["key"], row["fingerprint"], row["starts_at"], row["run"],
+        row["alertname"], row["rule"], json.loads(row["labels"]), json.loads(row["annotations"]),
+        json.loads(row["plan"]), row["status"], row["reason"], row["not_before"],
+        row["received"], row["started"], row["updated"], row["notifications"])
+
+
+def _step(row: sqlite3.Row) -> Step:
+    return Step(row["incident_id"], row["idx"], row["action"], row["status"], row["detail"],
+                json.loads(row["data"]), row["started"], row["finished"])
+
+
+class ActionStore:
+    """Thread-safe access to the action log (one connection, one lock: writes serialise anyway)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._lock = threading.RLock()
+        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None,
+                                   timeout=30)
+        self._db.row_factory = sqlite3.Row
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")  # a committed step row survives power loss
+        self._db.execute("PRAGMA foreign_keys=ON")
+        self._db.executescript(_SCHEMA)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+
+    # ------------------------------------------------------------------ webhook side
+    def accept(self, alerts: Iterable[NewAlert], now: float | None = None) -> list[bool]:
+        """Record firing alerts; True for each that is new, False for a re-sent one."""
+        now = time.time() if now is None else now
+        out: list[bool] = []
+        with self._tx() as db:
+            for a in alerts:
+                status = "pending" if a.rule is not None else "ignored"
+                reason = "" if a.rule is not None else "no rule matched"
+                cur = db.execute(
+                    "INSERT INTO incidents (key, fingerprint, starts_at, run, alertname, rule, "
+                    "labels, annotations, plan, status, reason, not_before, received, updated) "
+                    "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?) ON CONFLICT(key) DO NOTHING",
+                    (a.key, a.fingerprint, a.starts_at, a.run, a.alertname, a.rule,
+                     json.dumps(dict(a.labels), sort_keys=True),
+                     json.dumps(dict(a.annotations), sort_keys=True), json.dumps(a.plan),
+                     status, reason, a.not_before, now, now))
+                if cur.rowcount == 0:
+                    db.execute("UPDATE incidents SET notifications = notifications + 1 "
+                               "WHERE key = ?", (a.key,))
+                out.append(cur.rowcount == 1)
+        return out
+
+    def resolve(self, keys: Iterable[tuple[str, str, str, str]], now: float | None = None) -> int:
+        """Resolved alerts (fingerprint, startsAt, run, alertname): cancel what has not started.
+
+        An instance never seen firing gets a `cancelled` row too, so a firing notification that
+        arrives late, after its resolution, still never acts. Returns how many were cancelled.
+        """
+        now = time.time() if now is None else now
+        cancelled = 0
+        with self._tx() as db:
+            for fingerprint, starts_at, run, alertname in keys:
+                key = incident_key(fingerprint, starts_at)
+                cur = db.execute(
+                    "UPDATE incidents SET status='cancelled', reason='resolved before it acted', "
+                    "updated=? WHERE key=? AND status='pending'", (now, key))
+                cancelled += cur.rowcount
+                db.execute(
+                    "INSERT INTO incidents (key, fingerprint, starts_at, run, alertname, rule, "
+                    "labels, annotations, plan, status, reason, not_before, received, updated) "
+                    "VALUES (?,?,?,?,?,NULL,'{}','{}','[]','cancelled',"
+                    "'resolved before it was seen firing',0,?,?) ON CONFLICT(key) DO NOTHING",
+                    (key, fingerprint, starts_at, run, alertname, now, now))
+        return cancelled
+
+    # ------------------------------------------------------------------ worker side
+    def recover(self, resumable: Mapping[str, Callable[[Step], bool]], now: float | None = None) -> list[str]:
+        """After a crash: settle steps left `running` and requeue their incidents.
+
+        `resumable(step) -> bool` says whether a step may continue (its side effect can be
+        checked or is safe to finish); the others are marked failed, never repeated.
+        Returns one line per step touched, for the log.
+        """
+        now = time.time() if now is None else now
+        notes: list[str] = []
+        with self._tx() as db:
+            rows = db.execute("SELECT * FROM steps WHERE status='running'").fetchall()
+            for row in rows:
+                step = _step(row)
+                check = resumable.get(step.action)
+                if check is not None and check(step):
+                    notes.append(f"incident {step.incident_id} step {step.idx} ({step.action}): "
+                                 "resumed after a bridge restart")
+                    continue
+                db.execute(
+                    "UPDATE steps SET status='failed', finished=?, detail=? "
+                    "WHERE incident_id=? AND idx=?",
+                    (now, "interrupted by a bridge restart; outcome unknown, not repeated",
+                     step.incident_id, step.idx))
+                notes.append(f"incident {step.incident_id} step {step.idx} ({step.action}): "
+                             "marked failed (interrupted, not repeated)")
+            db.execute("UPDATE incidents SET status='pending', updated=? WHERE status='running'",
+                       (now,))
+        return notes
+
+    def claim(self, now: float | None = None) -> Incident | None:
+        """Take the oldest due incident whose run has nothing else running (actions per run are
+        serial: two restarts of one job must not race)."""
+        now = time.time() if now is None else now
+        with self._tx() as db:
+            row = db.execute(
+                "SELECT * FROM incidents i WHERE status='pending' AND not_before <= ? AND NOT "
+                "EXISTS (SELECT 1 FROM incidents j WHERE j.run = i.run AND j.status='running') "
+                "ORDER BY not_before, id LIMIT 1", (now,)).fetchone()
+            if row is None:
+                return None
+            db.execute("UPDATE incidents SET status='running', updated=? WHERE id=?",
+                       (now, row["id"]))
+        return _incident(row)
+
+    def next_due(self) -> float | None:
+        with self._lock:
+            row = self._db.execute(
+                "SELECT MIN(not_before) FROM incidents WHERE status='pending'").fetchone()
+        return None if row[0] is None else float(row[0])
+
+    def in_cooldown(self, incident: Incident, cooldown_s: float, now: float) -> Incident | None:
+        """The incident of the same run and rule that acted within `cooldown_s`, if any."""
+        if cooldown_s <= 0:
+            return None
+        with self._lock:
+            row = self._db.execute(
+                "SELECT * FROM incidents WHERE run=? AND rule=? AND id != ? AND started >= ? "
+                "ORDER BY started DESC LIMIT 1",
+                (incident.run, incident.rule, incident.id, now - cooldown_s)).fetchone()
+        return None if row is None else _incident(row)
+
+    def mark_started(self, incident_id: int, now: float) -> None:
+        with self._tx() as db:
+            db.execute("UPDATE incidents SET started=COALESCE(started, ?), updated=? WHERE id=?",
+                       (now, now, incident_id))
+
+    def finish_incident(self, incident_id: int, status: str, reason: str = "",
+                        now: float | None = None) -> None:
+        now = time.time() if now is None else now
+        with self._tx() as db:
+            db.execute("UPDATE incidents SET status=?, reason=?, updated=? WHERE id=?",
+                       (status, reason, now, incident_id))
+
+    def set_plan(self, incident_id: int, plan: list[dict[str, Any]]) -> None:
+        with self._tx() as db:
+            db.execute("UPDATE incidents SET plan=? WHERE id=?", (json.dumps(plan), incident_id))
+
+    def start_step(self, incident_id: int, idx: int, action: str, now: float | None = None) -> None:
+        """Commit the step as running before its side effect (the crash-safety point)."""
+        now = time.time() if now is None else now
+        with self._tx() as db:
+            db.execute("INSERT INTO steps (incident_id, idx, action, status, started) "
+                       "VALUES (?,?,?,'running',?)", (incident_id, idx, action, now))
+
+    def save_step_data(self, incident_id: int, idx: int, data: Mapping[str, Any]) -> None:
+        with self._tx() as db:
+            db.execute("UPDATE steps SET data=? WHERE incident_id=? AND idx=?",
+                       (json.dumps(dict(data), default=str), incident_id, idx))
+
+    def finish_step(self, incident_id: int, idx: int, status: str, detail: str,
+                    data: Mapping[str, Any] | None = None, now: float | None = None) -> None:
+        now = time.time() if now is None else now
+        with self._tx() as db:
+            if data is None:
+                db.execute("UPDATE steps SET status=?, detail=?, finished=? "
+                           "WHERE incident_id=? AND idx=?", (status, detail, now, incident_id, idx))
+            else:
+                db.execute("UPDATE steps SET status=?, detail=?, finished=?, data=? "
+                           "WHERE incident_id=? AND idx=?",
+                           (status, detail, now, json.dumps(dict(data), default=str),
+                            incident_id, idx))
+
+    def count_steps(self, run: str, action: str, since: float,
+                    statuses: tuple[str, ...] = ("running", "success", "failed", "dry_run")) -> int:
+        """How many `action` steps of `run` started since `since` (the restart budget)."""
+        marks = ",".join("?" * len(statuses))
+        with self._lock:
+            row = self._db.execute(
+                f"SELECT COUNT(*) FROM steps s JOIN incidents i ON i.id = s.incident_id "
+                f"WHERE i.run=? AND s.action=? AND s.started >= ? AND s.status IN ({marks})",
+                (run, action, since, *statuses)).fetchone()
+        return int(row[0])
+
+    # ------------------------------------------------------------------ reading
+    def steps(self, incident_id: int) -> list[Step]:
+        with self._lock:
+            rows = self._db.execute("SELECT * FROM steps WHERE incident_id=? ORDER BY idx",
+                                    (incident_id,)).fetchall()
+        return [_step(r) for r in rows]
+
+    def get(self, incident_id: int) -> Incident | None:
+        with self._lock:
+            row = self._db.execute("SELECT * FROM incidents WHERE id=?",
+                                   (incident_id,)).fetchone()
+        return None if row is None else _incident(row)
+
+    def list(self, run: str | None = None, status: str | None = None, limit: int = 100,
+             include_ignored: bool = False) -> list[tuple[Incident, list[Step]]]:
+        """The audit trail, newest first."""
+        where, args = [], []
+        if run is not None:
+            where.append("run = ?")
+            args.append(run)
+        if status is not None:
+            where.append("status = ?")
+            args.append(status)
+        elif not include_ignored:
+            where.append("status != 'ignored'")
+        sql = "SELECT * FROM incidents" + (" WHERE " + " AND ".join(where) if where else "")
+        sql += " ORDER BY id DESC LIMIT ?"
+        with self._lock:
+            rows = self._db.execute(sql, (*args, limit)).fetchall()
+            incidents = [_incident(r) for r in rows]
+            if not incidents:
+                return []
+            marks = ",".join("?" * len(incidents))
+            step_rows = self._db.execute(
+                f"SELECT * FROM steps WHERE incident_id IN ({marks}) ORDER BY incident_id, idx",
+                [i.id for i in incidents]).fetchall()
+        by_id: dict[int, list[Step]] = {}
+        for r in step_rows:
+            by_id.setdefault(r["incident_id"], []).append(_step(r))
+        return [(i, by_id.get(i.id, [])) for i in incidents]
