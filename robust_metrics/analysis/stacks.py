@@ -1,0 +1,464 @@
+"""Hang localisation: group rank stacks by signature, name the ranks that are elsewhere.
+
+When a synchronous job hangs, every healthy rank waits in the same collective; the rank that
+caused it is somewhere else (reading data, writing a checkpoint, spinning in a kernel launch loop).
+ByteRobust finds it by dumping every rank's stack, grouping ranks by stack signature and evicting
+the machines of the outlier groups. This module is that grouping, and nothing else: it takes the
+dumps (from the sidecars' `/debug/stacks`, or `robust_metrics.sidecar.stacks.dump_stacks`) and an
+optional rank topology, and returns a plain dict report. It does no I/O, so the CLI, the bridge's
+`dump_stacks` action and the tests share it.
+
+Steps:
+
+1. **Normalise** each frame to `function (file)`: no line numbers (ranks stopped on different lines
+   of the same loop are in the same place), no addresses, no locals; files are cut to their path
+   below `site-packages/` or `lib/pythonX.Y/` (venvs differ between nodes) or to their base name.
+2. **Thread roles.** The main thread, data-loader threads, checkpoint threads and other threads are
+   compared only with the same role of other ranks; a rank's signature for a role is the multiset
+   of its threads' signatures in that role.
+3. **Samples.** Several dumps of the same rank are successive samples. A role whose signature is
+   the same in every sample is *stuck*; one that changed is *progressing*. With several samples the
+   job counts as hung only when at least `hang_fraction` of ranks have a stuck main thread, so a
+   healthy job, whose ranks are all over their step, gives no suspects. With one sample the caller
+   asserts the hang (the bridge calls after a hang alert) and `hung` is None.
+4. **Groups.** Within each role (and each pipeline stage, when `pp_rank` is known, since stages
+   legitimately run different code) ranks are grouped by signature. A group is healthy when it
+   holds at least `min_share` of the ranks (and two or more), or is the single largest; when none
+   is, the groups waiting inside `torch.distributed` are taken as healthy. Every other group of the
+   main, data-loader or checkpoint role is an outlier, and its ranks are the suspects. Other
+   threads (metrics flushers, user helpers) are reported but only decide with `all_threads=True`;
+   a progressing helper thread never does.
+5. **Map** suspects to nodes and to their data-, pipeline- and tensor-parallel groups.
+
+Usage::
+
+    from robust_metrics.analysis.stacks import analyse
+    report = analyse(dumps, rank_info)   # dumps: [{rank, pid, node?, threads, error}, ...]
+    report["suspects"], report["nodes"], report["groups"]
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "ABSENT",
+    "CORE_ROLES",
+    "PROGRESSING",
+    "analyse",
+    "normalise_file",
+    "normalise_frame",
+    "normalise_rank_info",
+    "thread_role",
+]
+
+PROGRESSING = "(progressing: stack changed between samples)"
+ABSENT = "(no such thread in some samples)"
+CORE_ROLES = ("main", "dataloader", "checkpoint")
+"""Roles whose outliers make suspects by default."""
+
+_TOPO_KEYS = ("dp_rank", "pp_rank", "tp_rank")
+# a parallel group is the set of ranks that share the other two coordinates
+_GROUP_KINDS = {"dp": ("pp_rank", "tp_rank"), "pp": ("dp_rank", "tp_rank"),
+                "tp": ("dp_rank", "pp_rank")}
+_ADDRESS = re.compile(r"0x[0-9a-fA-F]+")
+_STDLIB = re.compile(r"/lib/python\d+(?:\.\d+)?t?/")
+_DIGITS = re.compile(r"\d+")
+_COLLECTIVE_FUNCTIONS = frozenset({
+    "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
+    "reduce_scatter_tensor", "broadcast", "barrier", "monitored_barrier", "all_to_all",
+    "all_to_all_single", "send", "recv", "isend", "irecv", "gather", "scatter", "reduce", "wait",
+})
+
+
+def normalise_file(path: str) -> str:
+    """A file name that is the same on every node: below site-packages, the stdlib, or the base."""
+    if not path:
+        return "?"
+    p = path.replace("\\", "/")
+    for marker in ("/site-packages/", "/dist-packages/"):
+        i = p.rfind(marker)
+        if i >= 0:
+            return p[i + len(marker):]
+    ends = [m.end() for m in _STDLIB.finditer(p)]
+    if ends:
+        return p[ends[-1]:]
+    return p.rsplit("/", 1)[-1]
+
+
+def normalise_frame(function: str, file: str) -> str:
+    """`function (file)` without line numbers or addresses."""
+    return f"{_ADDRESS.sub('0x?', function or '?')} ({normalise_file(file)})"
+
+
+class _FrameCache:
+    """Normalising a frame is the hot path for 16k ranks; most frames repeat across ranks."""
+
+    def __init__(self) -> None:
+        self._cache: dict[tuple[str, str], str] = {}
+
+    def __call__(self, function: str, file: str) -> str:
+        key = (function, file)
+        found = self._cache.get(key)
+        if found is None:
+            found = self._cache[key] = normalise_frame(function, file)
+        return found
+
+
+def thread_role(thread: Mapping[str, Any], frames: Iterable[str], pid: int | None = None) -> str:
+    """`main`, `dataloader`, `checkpoint` or `other:<thread name without digits>`.
+
+    `frames` are the normalised frames; roles come from what a thread runs where that is
+    recognisable (torch's data loader and distributed checkpoint), else from its name.
+    """
+    name = str(thread.get("thread_name") or "")
+    if name == "MainThread" or (pid is not None and thread.get("os_thread_id") == pid):
+        return "main"
+    for frame in frames:
+        if ("(torch/utils/data/" in frame or frame.startswith("_pin_memory_loop ")
+                or frame.startswith("_worker_loop ")):
+            return "dataloader"
+        if "(torch/distributed/checkpoint/" in frame:
+            return "checkpoint"
+    lowered = name.lower()
+    if "checkpoint" in lowered or "ckpt" in lowered:
+        return "checkpoint"
+    if "dataloader" in lowered or "pin_memory" in lowered:
+        return "dataloader"
+    return "other:" + (_DIGITS.sub("N", name) or "?")
+
+
+def _is_waiting(signature: tuple[str, ...]) -> bool:
+    """Whether a stack waits in torch.distributed (what healthy ranks of a hung job do)."""
+    for frame in signature:
+        if "(torch/distributed/" in frame:
+            return True
+        if frame.split(" (", 1)[0] in _COLLECTIVE_FUNCTIONS:
+            return True
+    return False
+
+
+def _int_or_none(value: Any) -> int | None:
+    if value is None or value == "" or isinstance(value, bool):
+        return None
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def normalise_rank_info(rank_info: Mapping[Any, Mapping[str, Any]] | None) -> dict[int, dict]:
+    """Rank topology keyed by int rank: `{node, local_rank, pid, world_size, dp/pp/tp_rank}`.
+
+    Accepts the labels of `robust_rank_info` (strings, empty for unknown) or the `ranks/<pid>.json`
+    identity (with a nested `topology`); keys may be ints or numeric strings.
+    """
+    out: dict[int, dict] = {}
+    for key, raw in (rank_info or {}).items():
+        rank = _int_or_none(raw.get("rank", key) if isinstance(raw, Mapping) else key)
+        if rank is None or not isinstance(raw, Mapping):
+            raise ValueError(f"rank_info entry {key!r}: needs an integer rank and a dict of labels")
+        topo = raw.get("topology") if isinstance(raw.get("topology"), Mapping) else {}
+        entry: dict[str, Any] = {"node": str(raw["node"]) if raw.get("node") else None}
+        for name in ("local_rank", "pid", "world_size"):
+            entry[name] = _int_or_none(raw.get(name))
+        for name in _TOPO_KEYS:
+            entry[name] = _int_or_none(raw.get(name, topo.get(name)))
+        if raw.get("run"):
+            entry["run"] = str(raw["run"])
+        out[rank] = entry
+    return out
+
+
+@dataclass
+class _Rank:
+    key: str
+    rank: int | None
+    pid: int | None
+    node: str | None
+    info: dict[str, Any]
+    samples: list[dict[str, tuple[tuple[str, ...], ...]]] = field(default_factory=list)
+    idle_main: list[bool] = field(default_factory=list)
+    first_frames: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+
+    def ident(self) -> int | str:
+        return self.rank if self.rank is not None else f"pid:{self.pid}@{self.node or '?'}"
+
+
+def analyse(dumps: list[dict[str, Any]], rank_info: Mapping[Any, Mapping[str, Any]] | None = None,
+            *, min_share: float = 0.25, hang_fraction: float = 0.75,
+            all_threads: bool = False) -> dict[str, Any]:
+    """Group rank stacks and name the outliers of a hung job; see the module docstring.
+
+    `dumps`: one dict per rank per sample, `{pid, threads, error}` plus, where known, `rank`,
+    `run`, `node` and `source` (where it came from). Several dicts for the same rank are successive
+    samples, in list order. `rank_info`: `{rank: {node, local_rank, pid, world_size, dp_rank,
+    pp_rank, tp_rank}}` (labels of `robust_rank_info`), used to name ranks of pid-only dumps, to map
+    suspects to nodes and parallel groups and to list ranks that sent nothing.
+
+    Returns a JSON-ready dict: `suspects` (ranks; `pid:P@node` for a dump whose rank is unknown),
+    `nodes` (nodes of the suspects), `groups` (`role`, `signature` innermost frame first, `ranks`,
+    `count`, `healthy`, `state`), `suspect_details`, `hung`, `topology`, `missing_ranks`,
+    `errors` and `notes`.
+    """
+    if not 0 < min_share <= 1:
+        raise ValueError(f"min_share={min_share!r}: must be in (0, 1]")
+    if not 0 < hang_fraction <= 1:
+        raise ValueError(f"hang_fraction={hang_fraction!r}: must be in (0, 1]")
+    if not isinstance(dumps, list):
+        raise ValueError("dumps must be a list of {pid, threads, error} dicts")
+    info = normalise_rank_info(rank_info)
+    by_pid: dict[tuple[str | None, int], int] = {}
+    for rank, entry in info.items():
+        if entry["pid"] is not None:
+            by_pid[(entry["node"], entry["pid"])] = rank
+            by_pid.setdefault((None, entry["pid"]), rank)
+    runs = {str(d["run"]) for d in dumps if isinstance(d, Mapping) and d.get("run")}
+    if len(runs) > 1:
+        raise ValueError(f"dumps of several runs ({', '.join(sorted(runs))}): analyse one run")
+    frame = _FrameCache()
+    ranks: dict[str, _Rank] = {}
+    errors: list[dict[str, Any]] = []
+    for i, dump in enumerate(dumps):
+        if not isinstance(dump, Mapping):
+            raise ValueError(f"dumps[{i}] is {type(dump).__name__}, not a dict")
+        state = _rank_of(dump, info, by_pid, ranks)
+        if dump.get("error") or not dump.get("threads"):
+            errors.append({"rank": state.rank, "pid": state.pid, "node": state.node,
+                           "source": dump.get("source"),
+                           "error": str(dump.get("error") or "no Python threads in the dump")})
+            continue
+        _add_sample(state, dump, frame)
+    analysed = [r for r in ranks.values() if r.samples]
+    report = _group(analysed, info, min_share, hang_fraction, all_threads)
+    report["run"] = next(iter(runs), None) or next(
+        (e["run"] for e in info.values() if e.get("run")), None)
+    seen = {r.rank for r in ranks.values() if r.rank is not None}
+    world = max((e["world_size"] or 0 for e in info.values()), default=0)
+    expected = set(range(world)) if world else set(info)
+    report["missing_ranks"] = sorted(expected - seen)
+    failed = {e["rank"] for e in errors if e["rank"] is not None} - {
+        r.rank for r in analysed if r.rank is not None}
+    report["errors"] = errors
+    if report["missing_ranks"]:
+        report["notes"].append(f"{len(report['missing_ranks'])} rank(s) sent no dump: "
+                               f"{_short(report['missing_ranks'])}")
+    if failed:
+        report["notes"].append(f"{len(failed)} rank(s) could not be dumped (see errors): "
+                               f"{_short(sorted(failed))}; a rank that died can be the cause")
+    return report
+
+
+def _rank_of(dump: Mapping[str, Any], info: dict[int, dict],
+             by_pid: dict[tuple[str | None, int], int], ranks: dict[str, _Rank]) -> _Rank:
+    pid = _int_or_none(dump.get("pid"))
+    node = str(dump["node"]) if dump.get("node") else None
+    rank = _int_or_none(dump.get("rank"))
+    if rank is None and pid is not None:
+        rank = by_pid.get((node, pid))
+        if rank is None:
+            candidate = by_pid.get((None, pid))
+            if candidate is not None and info[candidate]["node"] in (None, node):
+                rank = candidate
+    entry = info.get(rank, {}) if rank is not None else {}
+    node = node or entry.get("node")
+    key = f"rank:{rank}" if rank is not None else f"pid:{pid}@{node}"
+    state = ranks.get(key)
+    if state is None:
+        state = ranks[key] = _Rank(key, rank, pid if pid is not None else entry.get("pid"), node,
+                                   entry)
+    return state
+
+
+def _add_sample(state: _Rank, dump: Mapping[str, Any], frame: _FrameCache) -> None:
+    by_role: dict[str, list[tuple[str, ...]]] = defaultdict(list)
+    idle_main = True
+    for thread in dump["threads"]:
+        frames = thread.get("frames") or []
+        sig = tuple(frame(str(f.get("function", "?")), str(f.get("file", ""))) for f in frames)
+        role = thread_role(thread, sig, state.pid)
+        by_role[role].append(sig)
+        if role == "main":
+            idle_main = idle_main and bool(thread.get("idle"))
+        if role not in state.first_frames:
+            state.first_frames[role] = frames
+    state.samples.append({role: tuple(sorted(sigs)) for role, sigs in by_role.items()})
+    state.idle_main.append(idle_main)
+
+
+def _role_signature(state: _Rank, role: str) -> tuple[tuple[str, ...], str]:
+    """The rank's signature for a role over its samples, and `stuck`, `progressing` or `single`."""
+    values = [s.get(role) for s in state.samples]
+    if len(values) == 1:
+        return _flatten(values[0]), "single"
+    if any(v is None for v in values):
+        return (ABSENT,), "progressing"
+    if all(v == values[0] for v in values[1:]):
+        return _flatten(values[0]), "stuck"
+    return (PROGRESSING,), "progressing"
+
+
+def _flatten(sigs: tuple[tuple[str, ...], ...] | None) -> tuple[str, ...]:
+    """One thread: its frames. Several threads in one role: their stacks, separated."""
+    if not sigs:
+        return (ABSENT,)
+    if len(sigs) == 1:
+        return sigs[0]
+    out: list[str] = []
+    for i, sig in enumerate(sigs):
+        out.append(f"--- thread {i + 1} of {len(sigs)} ---")
+        out.extend(sig)
+    return tuple(out)
+
+
+def _group(analysed: list[_Rank], info: dict[int, dict], min_share: float, hang_fraction: float,
+           all_threads: bool) -> dict[str, Any]:
+    notes: list[str] = []
+    multi = [r for r in analysed if len(r.samples) > 1]
+    stuck_main = [r for r in multi if _role_signature(r, "main")[1] == "stuck"]
+    hung: bool | None = None
+    if multi:
+        hung = len(stuck_main) >= hang_fraction * len(multi)
+        if not hung:
+            notes.append(f"job is progressing: only {len(stuck_main)} of {len(multi)} ranks kept "
+                         f"the same main-thread stack over their samples; no suspects named")
+    else:
+        notes.append("one sample per rank: the caller asserts the job is hung")
+    pp_values = {e["pp_rank"] for e in info.values() if e.get("pp_rank") is not None}
+    partition_by_pp = len(pp_values) > 1
+
+    # (partition, role) -> signature -> [ranks]
+    table: dict[tuple[int | None, str], dict[tuple[str, ...], list[_Rank]]] = defaultdict(
+        lambda: defaultdict(list))
+    states: dict[tuple[int | None, str, tuple[str, ...]], set[str]] = defaultdict(set)
+    for r in analysed:
+        part = r.info.get("pp_rank") if partition_by_pp else None
+        roles = {role for s in r.samples for role in s}
+        for role in roles:
+            sig, state = _role_signature(r, role)
+            table[(part, role)][sig].append(r)
+            states[(part, role, sig)].add(state)
+
+    groups: list[dict[str, Any]] = []
+    suspects: dict[str, dict[str, Any]] = {}
+    for (part, role), by_sig in table.items():
+        n = sum(len(v) for v in by_sig.values())
+        healthy = _healthy_signatures(by_sig, n, min_share)
+        decides = role in CORE_ROLES or all_threads
+        for sig, members in by_sig.items():
+            is_healthy = sig in healthy
+            state = "/".join(sorted(states[(part, role, sig)]))
+            group = {"role": role, "signature": list(sig), "ranks": _idents(members),
+                     "count": len(members), "healthy": is_healthy, "state": state}
+            if part is not None:
+                group["pp_rank"] = part
+            groups.append(group)
+            if is_healthy or not decides or hung is False:
+                continue
+            if role != "main" and sig == (PROGRESSING,):
+                continue  # a helper thread that moves is not what holds the job
+            for r in members:
+                entry = suspects.setdefault(r.key, _suspect(r))
+                entry["roles"].append(role)
+                entry["signatures"][role] = list(sig)
+                entry["reasons"].append(_reason(role, sig, by_sig, healthy))
+    groups.sort(key=lambda g: (g.get("pp_rank") or 0, _role_order(g["role"]), -g["count"]))
+    details = sorted(suspects.values(), key=lambda s: (s["rank"] is None, s["rank"] or 0,
+                                                       str(s["pid"])))
+    nodes = sorted({s["node"] for s in details if s["node"]})
+    return {
+        "hung": hung,
+        "samples": max((len(r.samples) for r in analysed), default=0),
+        "ranks_analysed": len(analysed),
+        "stable_ranks": sorted(_idents(stuck_main), key=str),
+        "suspects": [s["ident"] for s in details],
+        "nodes": nodes,
+        "groups": groups,
+        "suspect_details": details,
+        "topology": _topology(details, info),
+        "notes": notes,
+    }
+
+
+def _healthy_signatures(by_sig: Mapping[tuple[str, ...], list[_Rank]], n: int,
+                        min_share: float) -> set[tuple[str, ...]]:
+    sizes = {sig: len(members) for sig, members in by_sig.items()}
+    floor = max(2, math.ceil(min_share * n))
+    healthy = {sig for sig, size in sizes.items() if size >= floor}
+    largest = max(sizes.values())
+    top = [sig for sig, size in sizes.items() if size == largest]
+    if len(top) == 1:
+        healthy.add(top[0])
+    if not healthy:
+        healthy = {sig for sig in sizes if _is_waiting(sig)}
+    if not healthy:  # nobody dominates and nobody waits: every rank looks alike, name none
+        healthy = set(sizes)
+    return healthy
+
+
+def _reason(role: str, sig: tuple[str, ...], by_sig: Mapping[tuple[str, ...], list[_Rank]],
+            healthy: set[tuple[str, ...]]) -> str:
+    where = sig[0] if sig else "?"
+    others = max(healthy, key=lambda s: len(by_sig[s]), default=None)
+    if sig == (PROGRESSING,):
+        text = f"{role} thread still moving while the others are stuck"
+    else:
+        text = f"{role} thread in {where}"
+    if others is not None and others != sig:
+        text += f"; {len(by_sig[others])} rank(s) are in {others[0] if others else '?'}"
+    return text
+
+
+def _suspect(r: _Rank) -> dict[str, Any]:
+    entry: dict[str, Any] = {"ident": r.ident(), "rank": r.rank, "pid": r.pid, "node": r.node,
+                             "roles": [], "reasons": [], "signatures": {},
+                             "main_idle": all(r.idle_main) if r.idle_main else None}
+    for name in ("local_rank", *_TOPO_KEYS):
+        entry[name] = r.info.get(name)
+    if r.samples and "main" in r.first_frames:
+        entry["main_frames"] = [{"function": f.get("function"), "file": f.get("file"),
+                                 "line": f.get("line")} for f in r.first_frames["main"][:12]]
+    return entry
+
+
+def _topology(details: list[dict[str, Any]], info: dict[int, dict]) -> dict[str, list[dict]]:
+    """For each parallel dimension, the groups that hold a suspect: their ranks and suspects."""
+    out: dict[str, list[dict]] = {}
+    for kind, shared in _GROUP_KINDS.items():
+        wanted: dict[tuple[int, ...], list[int]] = defaultdict(list)
+        for s in details:
+            if s["rank"] is None or s.get(kind + "_rank") is None:
+                continue
+            key = tuple(s.get(k) for k in shared)
+            if None not in key:
+                wanted[key].append(s["rank"])  # type: ignore[arg-type]
+        if not wanted:
+            continue
+        members: dict[tuple[int, ...], list[int]] = defaultdict(list)
+        for rank, e in info.items():
+            key = tuple(e.get(k) for k in shared)
+            if key in wanted:
+                members[key].append(rank)
+        out[kind] = [{"key": dict(zip(shared, key, strict=True)), "ranks": sorted(members[key]),
+                      "suspects": sorted(sus)} for key, sus in sorted(wanted.items())]
+    return out
+
+
+def _idents(members: Iterable[_Rank]) -> list[int | str]:
+    known = sorted(r.rank for r in members if r.rank is not None)
+    unknown = sorted(str(r.ident()) for r in members if r.rank is None)
+    return [*known, *unknown]
+
+
+def _role_order(role: str) -> tuple[int, str]:
+    return (CORE_ROLES.index(role) if role in CORE_ROLES else len(CORE_ROLES), role)
+
+
+def _short(values: list[Any], limit: int = 20) -> str:
+    text = ", ".join(str(v) for v in values[:limit])
+    return text + (f" and {len(values) - limit} more" if len(values) > limit else "")
