@@ -1,0 +1,16 @@
+"""The node sidecar: one exporter per node that says what a rank cannot.
+
+Run it as `robust-metrics sidecar --dir $ROBUST_METRICS_DIR` (see docs/sidecar.md). Layout:
+
+- `config.py`: settings, loopback by default; `main.py`: the command line.
+- `collector.py`: the one-method `Collector` interface and the registry that makes
+  `--collector.NAME` flags and times each collector.
+- `collectors/`: one collector per file: `ranks`, `process`, `nvml`, `nic`, `nccl_ras`.
+- `rankdir.py` / `mmapfile.py`: the ranks' multiprocess folder (dead processes, archive, corrupt
+  files), with no HTTP in them.
+- `auth.py`: bearer token, basic auth and TLS; `app.py`: the routes.
+
+Nothing here imports torch: the sidecar runs where training does not.
+"""
+
+__all__: list[str] = []

@@ -1,0 +1,204 @@
+"""HTTP routes of the sidecar; the work lives in the collectors, `rankdir` and `stacks`.
+
+- `GET /metrics`: every enabled collector (Prometheus text or OpenMetrics, gzip when asked).
+- `GET /healthz`: 200 while the process serves; never behind authentication.
+- `GET /debug/stacks[?native=1&locals=1&run=R&rank=N&timeout=S]`: py-spy dumps of the rank
+  processes as JSON (bearer token).
+- `POST /control/checkpoint[?at_step=N]` (or a JSON body `{"at_step": N}`): asks the ranks to run
+  their checkpoint callback at the next step boundary (bearer token); answers 202 with the request id
+  that the ranks acknowledge in `robust_checkpoint_request_id`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import json
+import logging
+import threading
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import choose_encoder
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Route
+
+from robust_metrics.hooks import control
+from robust_metrics.sidecar.auth import TokenFile, WebConfig
+from robust_metrics.sidecar.collector import ScrapeRegistry
+from robust_metrics.sidecar.config import SidecarConfig
+from robust_metrics.sidecar.rankdir import RankFolder
+
+__all__ = ["create_app"]
+
+log = logging.getLogger(__name__)
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+class BadRequest(ValueError):
+    pass
+
+
+def _flag(request: Request, name: str) -> bool:
+    value = request.query_params.get(name, "").lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise BadRequest(f"{name}={value!r}: use 1/0 or true/false")
+
+
+def _number(value: Any, name: str, kind: type = int, minimum: float = 0) -> Any:
+    if value is None:
+        return None
+    try:
+        number = kind(value)
+    except (TypeError, ValueError):
+        raise BadRequest(f"{name}={value!r} is not a{'n integer' if kind is int else ' number'}"
+                         ) from None
+    if isinstance(value, bool) or number < minimum:
+        raise BadRequest(f"{name}={value!r}: must be >= {minimum}")
+    return number
+
+
+def _error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status, headers=headers)
+
+
+def create_app(config: SidecarConfig, registry: ScrapeRegistry, folder: RankFolder, *,
+               token: TokenFile | None = None, web: WebConfig | None = None,
+               on_close: Callable[[], None] | None = None) -> Starlette:
+    """The sidecar's Starlette app; `on_close` runs at shutdown (collector threads, locks)."""
+    prom_registry = CollectorRegistry(auto_describe=False)
+    prom_registry.register(registry)  # type: ignore[arg-type]
+    basic = web.basic_auth if web else None
+    stack_slot = threading.Semaphore(1)
+
+    def bearer_denied(request: Request) -> Response | None:
+        if token is None:
+            return _error(403, "disabled: start the sidecar with --token-file to enable "
+                               f"{request.url.path}")
+        if not token.check(request.headers.get("authorization")):
+            return _error(401, "a valid 'Authorization: Bearer <token>' header is required",
+                          {"WWW-Authenticate": 'Bearer realm="robust-metrics"'})
+        return None
+
+    async def metrics(request: Request) -> Response:
+        if basic is not None and not await run_in_threadpool(
+                basic.check, request.headers.get("authorization")):
+            return PlainTextResponse("unauthorized\n", status_code=401,
+                                     headers={"WWW-Authenticate": 'Basic realm="robust-metrics"'})
+        encoder, content_type = choose_encoder(request.headers.get("accept"))
+        body = await run_in_threadpool(encoder, prom_registry)
+        headers = {}
+        if "gzip" in request.headers.get("accept-encoding", ""):
+            body = gzip.compress(body, compresslevel=1)
+            headers["Content-Encoding"] = "gzip"
+        return Response(body, media_type=content_type, headers=headers)
+
+    async def healthz(request: Request) -> Response:
+        return PlainTextResponse("ok\n")
+
+    async def index(request: Request) -> Response:
+        return PlainTextResponse(
+            "robust-metrics sidecar\n/metrics\n/healthz\n/debug/stacks (bearer token)\n"
+            "/control/checkpoint (POST, bearer token)\n")
+
+    async def stacks(request: Request) -> Response:
+        denied = bearer_denied(request)
+        if denied is not None:
+            return denied
+        try:
+            native = _flag(request, "native")
+            locals_ = _flag(request, "locals")
+            timeout = _number(request.query_params.get("timeout"), "timeout", float, 0.1)
+            rank_filter = request.query_params.get("rank")
+            run_filter = request.query_params.get("run")
+        except BadRequest as exc:
+            return _error(400, str(exc))
+        try:
+            from robust_metrics.sidecar import stacks as stacks_module
+        except ImportError as exc:
+            return _error(501, f"stack dumps are not available in this build: {exc}")
+        snapshot = folder.snapshot()
+        ranks = {pid: ident for pid, ident in snapshot.identities.items()
+                 if snapshot.alive.get(pid)
+                 and (rank_filter is None or ident.rank == rank_filter)
+                 and (run_filter is None or ident.run == run_filter)}
+        if not stack_slot.acquire(blocking=False):
+            return _error(429, "a stack dump is already running; retry in a few seconds")
+        try:
+            dumps = await run_in_threadpool(
+                stacks_module.dump_stacks, sorted(ranks), native=native, locals_=locals_,
+                timeout=min(timeout or config.stacks_timeout, 60.0))
+        finally:
+            stack_slot.release()
+        out = []
+        for dump in dumps:
+            ident = ranks.get(int(dump.get("pid", -1)))
+            entry = {"run": ident.run if ident else "", "rank": ident.rank if ident else "",
+                     "local_rank": ident.local_rank if ident else ""}
+            entry.update(dump)
+            out.append(entry)
+        out.sort(key=lambda e: (e["run"], _rank_key(e["rank"])))
+        return JSONResponse({"node": config.node, "ranks": out})
+
+    async def checkpoint(request: Request) -> Response:
+        denied = bearer_denied(request)
+        if denied is not None:
+            return denied
+        try:
+            body: dict[str, Any] = {}
+            raw = await request.body()
+            if raw.strip():
+                try:
+                    body = json.loads(raw)
+                except ValueError:
+                    raise BadRequest("the body must be JSON, e.g. {\"at_step\": 1200}") from None
+                if not isinstance(body, dict):
+                    raise BadRequest("the body must be a JSON object")
+                unknown = set(body) - {"at_step"}
+                if unknown:
+                    raise BadRequest(f"unknown field(s) {', '.join(sorted(unknown))}; "
+                                     "supported: at_step")
+            at_step = _number(body.get("at_step", request.query_params.get("at_step")),
+                              "at_step")
+        except BadRequest as exc:
+            return _error(400, str(exc))
+        snapshot = folder.snapshot()
+        ranks = sorted(((i.run, i.rank, pid) for pid, i in snapshot.identities.items()
+                        if snapshot.alive.get(pid)), key=lambda r: (r[0], _rank_key(r[1])))
+        try:
+            req = await run_in_threadpool(control.write_checkpoint_request, config.directory,
+                                          None, at_step)
+        except OSError as exc:
+            return _error(503, f"cannot write the checkpoint request: {exc}")
+        log.info("checkpoint request %d (at_step=%s) for %d rank(s)", req.id, at_step, len(ranks))
+        return JSONResponse({"request_id": req.id, "at_step": req.at_step, "node": config.node,
+                             "ranks": [{"run": r, "rank": k, "pid": p} for r, k, p in ranks]},
+                            status_code=202)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        yield
+        if on_close is not None:
+            on_close()
+
+    routes = [
+        Route("/", index),
+        Route("/metrics", metrics),
+        Route("/healthz", healthz),
+        Route("/debug/stacks", stacks),
+        Route("/control/checkpoint", checkpoint, methods=["POST"]),
+    ]
+    return Starlette(routes=routes, lifespan=lifespan)
+
+
+def _rank_key(rank: str) -> tuple[int, str]:
+    return (int(rank), "") if rank.isdigit() else (1 << 62, rank)

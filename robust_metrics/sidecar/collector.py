@@ -1,0 +1,141 @@
+"""The collector interface, the registry of collectors, and the scrape that runs them.
+
+As in node_exporter, every collector lives in its own module and registers itself with a name and
+whether it is on by default; the registry makes the `--collector.NAME` / `--no-collector.NAME`
+flags and wraps each collector so its duration and success are series of their own
+(`robust_sidecar_collector_duration_seconds{collector}`, `robust_sidecar_collector_success`). A
+collector that raises loses its own series for that scrape, never the scrape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from prometheus_client.metrics_core import GaugeMetricFamily, Metric
+
+from robust_metrics import schema
+
+if TYPE_CHECKING:
+    from robust_metrics.sidecar.config import SidecarConfig
+    from robust_metrics.sidecar.rankdir import RankFolder
+
+__all__ = [
+    "Collector",
+    "CollectorInfo",
+    "ScrapeRegistry",
+    "add_collector_flags",
+    "available",
+    "enabled_names",
+    "register_collector",
+]
+
+log = logging.getLogger(__name__)
+
+
+class Collector(Protocol):
+    """What every collector implements: one scrape's metric families."""
+
+    def collect(self) -> Iterable[Metric]: ...
+
+
+Factory = Callable[["SidecarConfig", "RankFolder"], Collector]
+
+
+@dataclass(frozen=True)
+class CollectorInfo:
+    name: str
+    default_enabled: bool
+    help: str
+    factory: Factory
+
+
+_COLLECTORS: dict[str, CollectorInfo] = {}
+
+
+def register_collector(name: str, *, default_enabled: bool, help: str) -> Callable[[Factory], Factory]:
+    """Decorator for a collector factory `(config, folder) -> Collector`."""
+
+    def decorate(factory: Factory) -> Factory:
+        if name in _COLLECTORS:
+            raise ValueError(f"collector {name!r} registered twice")
+        _COLLECTORS[name] = CollectorInfo(name, default_enabled, help, factory)
+        return factory
+
+    return decorate
+
+
+def available() -> dict[str, CollectorInfo]:
+    """Every registered collector (importing the collectors package registers them all)."""
+    import robust_metrics.sidecar.collectors  # noqa: F401  (registers on import)
+
+    return dict(_COLLECTORS)
+
+
+def add_collector_flags(parser: argparse.ArgumentParser) -> None:
+    """`--collector.NAME` / `--no-collector.NAME` for every registered collector."""
+    group = parser.add_argument_group("collectors")
+    for info in available().values():
+        state = "on" if info.default_enabled else "off"
+        group.add_argument(f"--collector.{info.name}", dest=f"collector_{info.name}",
+                           action=argparse.BooleanOptionalAction, default=None,
+                           help=f"{info.help} (default: {state})")
+
+
+def enabled_names(args: argparse.Namespace) -> list[str]:
+    """Names of the collectors the parsed flags turn on."""
+    names = []
+    for info in available().values():
+        flag = getattr(args, f"collector_{info.name}", None)
+        if (info.default_enabled if flag is None else flag):
+            names.append(info.name)
+    return names
+
+
+class ScrapeRegistry:
+    """Runs the enabled collectors for one scrape; a prometheus_client-compatible collector."""
+
+    def __init__(self, collectors: dict[str, Collector]) -> None:
+        self.collectors = dict(collectors)
+        self._logged: set[str] = set()
+        self._lock = threading.Lock()
+
+    def collect(self) -> Iterator[Metric]:
+        duration = GaugeMetricFamily(
+            schema.COLLECTOR_DURATION.name, schema.COLLECTOR_DURATION.help, labels=["collector"])
+        success = GaugeMetricFamily(
+            schema.COLLECTOR_SUCCESS.name, schema.COLLECTOR_SUCCESS.help, labels=["collector"])
+        families: dict[str, Metric] = {}
+        for name, collector in self.collectors.items():
+            started = time.perf_counter()
+            try:
+                produced = list(collector.collect())
+                ok = True
+            except Exception as exc:  # a broken collector costs its own series only
+                produced, ok = [], False
+                self._log_once(name, exc)
+            duration.add_metric([name], time.perf_counter() - started)
+            success.add_metric([name], 1.0 if ok else 0.0)
+            for family in produced:
+                known = families.get(family.name)
+                if known is None:
+                    families[family.name] = family
+                else:  # two collectors may contribute to one family (rank gpu info, say)
+                    known.samples.extend(family.samples)
+        yield from families.values()
+        yield duration
+        yield success
+
+    def _log_once(self, name: str, exc: Exception) -> None:
+        with self._lock:
+            first = name not in self._logged
+            self._logged.add(name)
+        if first:
+            log.exception("collector %s failed (logged once): %s", name, exc)
+        else:
+            log.debug("collector %s failed: %s", name, exc)

@@ -1,0 +1,35 @@
+"""`ranks`: the metrics the rank processes on this node publish through the multiprocess folder.
+
+All the work (dead processes, the archive, corrupt files) is in `robust_metrics.sidecar.rankdir`;
+this collector only serves its snapshot and the count of corrupt files.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client.metrics_core import CounterMetricFamily, Metric
+
+from robust_metrics import schema
+from robust_metrics.sidecar.collector import register_collector
+from robust_metrics.sidecar.config import SidecarConfig
+from robust_metrics.sidecar.rankdir import RankFolder
+
+__all__ = ["RanksCollector"]
+
+
+class RanksCollector:
+    def __init__(self, folder: RankFolder) -> None:
+        self.folder = folder
+
+    def collect(self) -> Iterator[Metric]:
+        snapshot = self.folder.snapshot()
+        yield from snapshot.families
+        spec = schema.CORRUPT_FILES
+        yield CounterMetricFamily(spec.name, spec.help, value=snapshot.corrupt_total)
+
+
+@register_collector("ranks", default_enabled=True,
+                    help="rank metrics from the multiprocess folder (--dir)")
+def _factory(config: SidecarConfig, folder: RankFolder) -> RanksCollector:
+    return RanksCollector(folder)
