@@ -17,7 +17,7 @@ __all__ = ["simulate_naive"]
 
 def simulate_naive(graph: OpGraph, duration: np.ndarray, transfer: np.ndarray) -> np.ndarray:
     """Per-step time (latest op end) for arrays of shape (n_ops, lanes, steps), no launch delays."""
-    n_ops, lanes, steps = duration.shape
+    steps = duration.shape[2]
     step_time = np.zeros(steps)
     succ: dict[int, list[int]] = {}
     for v, deps in enumerate(graph.deps):
