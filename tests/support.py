@@ -115,3 +115,64 @@ def rank_job(nproc: int, args: Sequence[str] = (), **kwargs: object) -> Iterator
         yield job
     finally:
         job.kill()
+
+
+class SidecarProcess:
+    """A real `robust-metrics sidecar` on a free loopback port, stopped (then killed) on exit.
+
+    `args` are extra command-line flags; its output goes to `log_path` when given (read it with
+    `output()` in failure messages).
+    """
+
+    def __init__(self, directory: Path | str, args: Sequence[str] = (), *,
+                 log_path: Path | None = None, env: dict[str, str] | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        out = open(log_path, "wb") if log_path else subprocess.DEVNULL  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "robust_metrics", "sidecar", "--dir", str(directory),
+             "--listen", f"127.0.0.1:{self.port}", *args],
+            stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+            start_new_session=True)
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:] if self.log_path else ""
+
+    def wait_ready(self, timeout: float = 30) -> SidecarProcess:
+        import httpx
+
+        def ready() -> bool:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"sidecar exited with {self.proc.returncode}:\n{self.output()}")
+            return httpx.get(f"{self.url}/healthz", timeout=2).status_code == 200
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if ready():
+                    return self
+            except AssertionError:
+                raise
+            except Exception:
+                pass
+            time.sleep(0.1)
+        self.stop()
+        raise AssertionError(f"sidecar not ready after {timeout}s:\n{self.output()}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+
+    def __enter__(self) -> SidecarProcess:
+        return self.wait_ready()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
