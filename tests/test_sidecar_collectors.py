@@ -1,0 +1,281 @@
+"""Collectors against fixtures: a sysfs tree, a fake pynvml, a fake NCCL RAS port; the registry."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import time
+from pathlib import Path
+
+import pynvml
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from robust_metrics import schema
+from robust_metrics.sidecar.collector import ScrapeRegistry, available
+from robust_metrics.sidecar.collectors.nccl_ras import (
+    NcclRasCollector,
+    parse_json_report,
+    parse_text_report,
+)
+from robust_metrics.sidecar.collectors.nic import NicCollector, parse_rate
+from robust_metrics.sidecar.collectors.nvml import NvmlCollector
+from robust_metrics.sidecar.rankdir import RankFolder
+from tests.sidecar_fakes import FakeGpu, FakeNvml, FakeRasServer
+from tests.support import ROOT, free_port, require_binary, wait_until
+
+SYSFS = ROOT / "tests" / "fixtures" / "sysfs"
+FIXTURES = ROOT / "tests" / "fixtures" / "sidecar"
+GOLDEN = FIXTURES / "golden_scrape.prom"
+
+
+def registry_of(**collectors: object) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(ScrapeRegistry(collectors))  # type: ignore[arg-type]
+    return registry
+
+
+def sample(registry: CollectorRegistry, name: str, /, **labels: str) -> float | None:
+    return registry.get_sample_value(name, labels)
+
+
+def two_gpus() -> FakeNvml:
+    return FakeNvml([FakeGpu("GPU-aaaa"), FakeGpu("GPU-bbbb", util=3, throttle=0)])
+
+
+def scrape_text(registry: CollectorRegistry) -> str:
+    """The exposition with collector durations masked (they differ every run)."""
+    text = generate_latest(registry).decode()
+    return re.sub(r"(robust_sidecar_collector_duration_seconds\{[^}]*\}) \S+", r"\1 <duration>",
+                  text)
+
+
+def test_every_name_a_collector_exports_is_declared_in_the_schema() -> None:
+    nvml = two_gpus()
+    registry = registry_of(nic=NicCollector(str(SYSFS), "n1"),
+                           nvml=NvmlCollector("n1", nvml=nvml, xid_events=False))
+    declared = schema.sample_names()
+    for metric in registry.collect():
+        for s in metric.samples:
+            assert s.name in declared, f"{s.name} is not declared in robust_metrics.schema"
+            assert set(s.labels) == set(declared[s.name].labels), s.name
+
+
+def test_full_scrape_matches_golden_file() -> None:
+    registry = registry_of(nic=NicCollector(str(SYSFS), "n1"),
+                           nvml=NvmlCollector("n1", nvml=two_gpus(), xid_events=False))
+    text = scrape_text(registry)
+    if os.environ.get("UPDATE_GOLDEN"):
+        GOLDEN.write_text(text)
+    assert text == GOLDEN.read_text(), "scrape differs from golden (UPDATE_GOLDEN=1 rewrites it)"
+
+
+def test_golden_scrape_passes_promtool() -> None:
+    promtool = require_binary("promtool")
+    text = GOLDEN.read_text().replace("<duration>", "0.001")
+    result = subprocess.run([promtool, "check", "metrics"], input=text.encode(),
+                            capture_output=True, timeout=30)
+    assert result.returncode == 0, result.stdout.decode() + result.stderr.decode()
+    assert not result.stdout.strip(), result.stdout.decode()  # lint findings print here
+
+
+# -- nic ---------------------------------------------------------------------------------------
+def test_nic_reads_ports_counters_and_physical_netdevs() -> None:
+    registry = registry_of(nic=NicCollector(str(SYSFS), "n1"))
+    port = {"node": "n1", "device": "mlx5_0", "port": "1"}
+    assert sample(registry, "robust_nic_port_up", **port) == 1.0
+    assert sample(registry, "robust_nic_port_up", **{**port, "device": "mlx5_1"}) == 0.0
+    assert sample(registry, "robust_nic_port_rate_bytes", **port) == 200e9 / 8
+    assert sample(registry, "robust_nic_transmit_bytes_total", **port) == 1234567 * 4
+    assert sample(registry, "robust_nic_receive_bytes_total", **port) == 7654321 * 4
+    assert sample(registry, "robust_nic_port_errors_total", **port, counter="symbol_error") == 3
+    assert sample(registry, "robust_nic_port_errors_total", **port,
+                  counter="port_xmit_discards") == 17
+    # "N/A (no PMA)" is skipped, not exported as 0
+    assert sample(registry, "robust_nic_port_errors_total", **{**port, "device": "mlx5_1"},
+                  counter="symbol_error") is None
+    assert sample(registry, "robust_netdev_carrier_changes_total", node="n1",
+                  interface="eth1") == 9
+    assert sample(registry, "robust_netdev_up", node="n1", interface="eth1") == 0
+    assert sample(registry, "robust_netdev_up", node="n1", interface="veth12") is None
+    assert sample(registry, "robust_netdev_up", node="n1", interface="lo") is None
+
+
+def test_nic_without_infiniband_exports_nothing_and_succeeds(tmp_path: Path) -> None:
+    registry = registry_of(nic=NicCollector(str(tmp_path), "n1"))
+    assert sample(registry, "robust_sidecar_collector_success", collector="nic") == 1.0
+    assert sample(registry, "robust_nic_port_up", node="n1", device="x", port="1") is None
+
+
+def test_parse_rate() -> None:
+    assert parse_rate("400 Gb/sec (4X NDR)") == 50e9
+    assert parse_rate("2.5 Gb/sec (1X SDR)") == 2.5e9 / 8
+    assert parse_rate("garbage") is None
+
+
+# -- nvml --------------------------------------------------------------------------------------
+def test_nvml_values_and_flags() -> None:
+    registry = registry_of(nvml=NvmlCollector("n1", nvml=two_gpus(), xid_events=False))
+    g0 = {"node": "n1", "gpu": "0"}
+    assert sample(registry, "robust_nvml_up", node="n1") == 1.0
+    assert sample(registry, "robust_gpu_info", **g0, uuid="GPU-aaaa",
+                  name="NVIDIA H100 80GB HBM3") == 1.0
+    assert sample(registry, "robust_gpu_utilization_ratio", **g0) == 0.87
+    assert sample(registry, "robust_gpu_memory_used_bytes", **g0) == 40 << 30
+    assert sample(registry, "robust_gpu_memory_total_bytes", **g0) == 80 << 30
+    assert sample(registry, "robust_gpu_temperature_celsius", **g0) == 61
+    assert sample(registry, "robust_gpu_power_watts", **g0) == 350.0
+    assert sample(registry, "robust_gpu_energy_joules_total", **g0) == 9000.0
+    assert sample(registry, "robust_gpu_sm_clock_hertz", **g0) == 1980e6
+    assert sample(registry, "robust_gpu_memory_clock_hertz", **g0) == 2619e6
+    assert sample(registry, "robust_gpu_clock_throttle", **g0, reason="hw_thermal_slowdown") == 1
+    assert sample(registry, "robust_gpu_clock_throttle", **g0, reason="sw_power_cap") == 1
+    assert sample(registry, "robust_gpu_clock_throttle", **g0, reason="hw_slowdown") == 0
+    assert sample(registry, "robust_gpu_clock_throttle", node="n1", gpu="1",
+                  reason="hw_thermal_slowdown") == 0
+    assert sample(registry, "robust_gpu_ecc_errors_total", **g0, type="corrected") == 12
+    assert sample(registry, "robust_gpu_ecc_errors_total", **g0, type="uncorrected") == 0
+    assert sample(registry, "robust_gpu_row_remap_pending", **g0) == 1
+    assert sample(registry, "robust_gpu_row_remap_failure", **g0) == 0
+    assert sample(registry, "robust_gpu_pcie_replays_total", **g0) == 5
+    assert sample(registry, "robust_gpu_nvlink_errors_total", **g0, link="0", type="crc_flit") == 3
+    assert sample(registry, "robust_gpu_nvlink_errors_total", **g0, link="0", type="replay") == 1
+    assert sample(registry, "robust_gpu_nvlink_errors_total", **g0, link="2",
+                  type="replay") is None  # link 2 is down
+    assert sample(registry, "robust_gpu_lost", **g0) == 0
+
+
+def test_unsupported_field_costs_only_its_series() -> None:
+    nvml = two_gpus()
+    nvml.gpus[0].unsupported = {"energy", "remap"}
+    registry = registry_of(nvml=NvmlCollector("n1", nvml=nvml, xid_events=False))
+    assert sample(registry, "robust_gpu_energy_joules_total", node="n1", gpu="0") is None
+    assert sample(registry, "robust_gpu_row_remap_pending", node="n1", gpu="0") is None
+    assert sample(registry, "robust_gpu_energy_joules_total", node="n1", gpu="1") == 9000.0
+    assert sample(registry, "robust_gpu_temperature_celsius", node="n1", gpu="0") == 61
+    assert sample(registry, "robust_sidecar_collector_success", collector="nvml") == 1.0
+
+
+def test_gpu_falling_off_the_bus_is_reported_and_others_keep_serving() -> None:
+    nvml = two_gpus()
+    collector = NvmlCollector("n1", nvml=nvml, xid_events=False)
+    registry = registry_of(nvml=collector)
+    assert sample(registry, "robust_gpu_lost", node="n1", gpu="1") == 0
+    nvml.gpus[1].lost = True
+    assert sample(registry, "robust_gpu_lost", node="n1", gpu="1") == 1
+    assert sample(registry, "robust_gpu_temperature_celsius", node="n1", gpu="1") is None
+    assert sample(registry, "robust_gpu_info", node="n1", gpu="1", uuid="GPU-bbbb",
+                  name="NVIDIA H100 80GB HBM3") is None
+    assert sample(registry, "robust_gpu_temperature_celsius", node="n1", gpu="0") == 61
+    assert sample(registry, "robust_nvml_up", node="n1") == 1.0
+
+
+@pytest.mark.parametrize("code", [pynvml.NVML_ERROR_LIBRARY_NOT_FOUND,
+                                  pynvml.NVML_ERROR_DRIVER_NOT_LOADED])
+def test_missing_driver_reads_as_nvml_down_and_is_retried(code: int) -> None:
+    nvml = FakeNvml([FakeGpu("GPU-aaaa")], init_error=code)
+    now = [1000.0]
+    collector = NvmlCollector("n1", nvml=nvml, retry_seconds=60, xid_events=False,
+                              clock=lambda: now[0])
+    registry = registry_of(nvml=collector)
+    assert sample(registry, "robust_nvml_up", node="n1") == 0.0
+    assert sample(registry, "robust_sidecar_collector_success", collector="nvml") == 1.0
+    nvml.init_error = None  # driver loaded, but no retry before 60 s
+    assert sample(registry, "robust_nvml_up", node="n1") == 0.0
+    now[0] += 61
+    assert sample(registry, "robust_nvml_up", node="n1") == 1.0
+    assert sample(registry, "robust_gpu_temperature_celsius", node="n1", gpu="0") == 61
+
+
+def test_xid_events_are_counted_by_code() -> None:
+    nvml = two_gpus()
+    collector = NvmlCollector("n1", nvml=nvml, xid_events=True)
+    registry = registry_of(nvml=collector)
+    try:
+        assert sample(registry, "robust_nvml_up", node="n1") == 1.0
+        for gpu, xid in ((1, 79), (1, 79), (0, 48)):
+            nvml.events.put((gpu, xid))
+        wait_until(lambda: sample(registry, "robust_gpu_xid_errors_total", node="n1", gpu="1",
+                                  xid="79") == 2, timeout=10, message="XID 79 counted twice")
+        assert sample(registry, "robust_gpu_xid_errors_total", node="n1", gpu="0", xid="48") == 1
+    finally:
+        collector.close()
+    assert not nvml.initialised
+
+
+def test_rank_gpu_mapping_from_running_processes(tmp_path: Path) -> None:
+    (tmp_path / "ranks").mkdir()
+    (tmp_path / "ranks" / "4242.json").write_text(json.dumps(
+        {"run": "job7", "rank": 3, "pid": 4242, "started": time.time()}))
+    folder = RankFolder(str(tmp_path), alive=lambda pid, started: pid == 4242, cache_seconds=0)
+    nvml = two_gpus()
+    nvml.gpus[1].pids = [4242, 999]
+    registry = registry_of(nvml=NvmlCollector("n1", folder, nvml=nvml, xid_events=False))
+    assert sample(registry, "robust_rank_gpu_info", run="job7", rank="3", node="n1", gpu="1",
+                  uuid="GPU-bbbb") == 1.0
+    folder.close()
+
+
+# -- nccl RAS ----------------------------------------------------------------------------------
+def test_parse_text_report_of_nccl_2_24() -> None:
+    report = parse_text_report((FIXTURES / "ras_status_2.24.txt").read_text())
+    assert (report.communicators, report.missing_ranks, report.errors) == (9, 2, 1)
+
+
+def test_parse_json_report() -> None:
+    report = parse_json_report((FIXTURES / "ras_status.json").read_text())
+    assert (report.communicators, report.missing_ranks, report.errors) == (2, 1, 1)
+
+
+@pytest.mark.parametrize("with_json", [False, True])
+def test_nccl_collector_queries_the_ras_port(with_json: bool) -> None:
+    text = (FIXTURES / "ras_status_2.24.txt").read_text()
+    json_report = (FIXTURES / "ras_status.json").read_text() if with_json else None
+    server = FakeRasServer(text, json_report)
+    collector = NcclRasCollector("n1", f"127.0.0.1:{server.port}", interval=3600)
+    try:
+        collector.refresh()
+        registry = registry_of(nccl=collector)
+        assert sample(registry, "robust_nccl_ras_up", node="n1") == 1.0
+        expected = (2, 1, 1) if with_json else (9, 2, 1)
+        got = tuple(sample(registry, name, node="n1") for name in (
+            "robust_nccl_communicators", "robust_nccl_missing_ranks", "robust_nccl_errors"))
+        assert got == expected
+        assert server.commands[0] == "CLIENT PROTOCOL 2" and "STATUS" in server.commands
+        server.close()  # the job ended: RAS gone, so up turns 0 and the values go
+        collector.refresh()
+        assert sample(registry, "robust_nccl_ras_up", node="n1") == 0.0
+        assert sample(registry, "robust_nccl_communicators", node="n1") is None
+    finally:
+        collector.close()
+        server.close()
+
+
+def test_nccl_collector_exports_nothing_when_nothing_listens() -> None:
+    collector = NcclRasCollector("n1", f"127.0.0.1:{free_port()}", interval=3600)
+    collector.refresh()
+    registry = registry_of(nccl=collector)
+    names = {s.name for m in registry.collect() for s in m.samples}
+    assert not any(n.startswith("robust_nccl") for n in names)
+    assert sample(registry, "robust_sidecar_collector_success", collector="nccl") == 1.0
+    collector.close()
+
+
+# -- registry ----------------------------------------------------------------------------------
+class Broken:
+    def collect(self) -> list:
+        raise RuntimeError("boom")
+
+
+def test_failing_collector_costs_its_series_not_the_scrape() -> None:
+    registry = registry_of(broken=Broken(), nic=NicCollector(str(SYSFS), "n1"))
+    assert sample(registry, "robust_sidecar_collector_success", collector="broken") == 0.0
+    assert sample(registry, "robust_sidecar_collector_success", collector="nic") == 1.0
+    assert sample(registry, "robust_sidecar_collector_duration_seconds", collector="nic") >= 0
+    assert sample(registry, "robust_nic_port_up", node="n1", device="mlx5_0", port="1") == 1.0
+
+
+def test_every_collector_is_registered_with_a_flag() -> None:
+    assert set(available()) == {"ranks", "process", "nvml", "nic", "nccl"}
