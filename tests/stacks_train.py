@@ -94,7 +94,7 @@ def main() -> None:
         sync_gradients(model)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        if args.checkpoint_every and step % args.checkpoint_every == 0 or at_stall:
+        if (args.checkpoint_every and step % args.checkpoint_every == 0) or at_stall:
             save_checkpoint(model, rank, at_stall and rank == args.ckpt_stall_rank)
         if step % 20 == 0:
             print(f"rank {rank}: step {step}", flush=True)

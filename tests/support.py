@@ -58,7 +58,8 @@ class RankJob:
 
     def __init__(self, nproc: int, args: Sequence[str] = (), *, script: Path = EXAMPLE,
                  env: dict[str, str] | None = None, log_dir: Path | None = None,
-                 run: str = "test-run") -> None:
+                 run: str = "test-run",
+                 rank_env: Callable[[int], dict[str, str]] | None = None) -> None:
         self.nproc = nproc
         self.port = free_port()
         self.procs: list[subprocess.Popen[bytes]] = []
@@ -67,10 +68,11 @@ class RankJob:
                 "WORLD_SIZE": str(nproc), "ROBUST_METRICS_RUN": run, "OMP_NUM_THREADS": "1",
                 "PYTHONUNBUFFERED": "1", **(env or {})}
         for rank in range(nproc):
-            rank_env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+            per_rank = rank_env(rank) if rank_env else {}  # e.g. a node name per rank
+            rank_env_ = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank), **per_rank}
             out = open(log_dir / f"rank{rank}.log", "wb") if log_dir else subprocess.DEVNULL  # noqa: SIM115
             self.procs.append(subprocess.Popen(
-                [sys.executable, str(script), *args], env=rank_env, stdout=out,
+                [sys.executable, str(script), *args], env=rank_env_, stdout=out,
                 stderr=subprocess.STDOUT, start_new_session=True))
 
     @property

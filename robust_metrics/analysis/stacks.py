@@ -16,11 +16,15 @@ Steps:
 2. **Thread roles.** The main thread, data-loader threads, checkpoint threads and other threads are
    compared only with the same role of other ranks; a rank's signature for a role is the multiset
    of its threads' signatures in that role.
-3. **Samples.** Several dumps of the same rank are successive samples. A role whose signature is
-   the same in every sample is *stuck*; one that changed is *progressing*. With several samples the
-   job counts as hung only when at least `hang_fraction` of ranks have a stuck main thread, so a
-   healthy job, whose ranks are all over their step, gives no suspects. With one sample the caller
-   asserts the hang (the bridge calls after a hang alert) and `hung` is None.
+3. **Samples.** Several dumps of the same rank are successive samples. A role whose exact stack
+   (with line numbers, and locals where dumped) is the same in every sample is *stuck*; one whose
+   signature stayed but whose lines or locals changed is *busy* (a healthy rank enters the same
+   all_reduce every step, with a new tensor and step counter each time); one whose signature
+   changed is *progressing*. With several samples the job counts as hung only when at least
+   `hang_fraction` of the ranks have a stuck main thread, so a healthy job gives no suspects. Dump
+   with locals for this check: without them, healthy ranks that sit in the same collective at every
+   sample look stuck (they still form one group, so they are not named). With one sample the
+   caller asserts the hang (the bridge calls after a hang alert) and `hung` is None.
 4. **Groups.** Within each role (and each pipeline stage, when `pp_rank` is known, since stages
    legitimately run different code) ranks are grouped by signature. A group is healthy when it
    holds at least `min_share` of the ranks (and two or more), or is the single largest; when none
@@ -34,7 +38,8 @@ Usage::
 
     from robust_metrics.analysis.stacks import analyse
     report = analyse(dumps, rank_info)   # dumps: [{rank, pid, node?, threads, error}, ...]
-    report["suspects"], report["nodes"], report["groups"]
+    report["suspect_ranks"], report["nodes"], report["groups"]
+    for s in report["suspects"]: s["rank"], s["node"], s["reasons"]
 """
 
 from __future__ import annotations
@@ -152,14 +157,24 @@ def _int_or_none(value: Any) -> int | None:
         return None
 
 
-def normalise_rank_info(rank_info: Mapping[Any, Mapping[str, Any]] | None) -> dict[int, dict]:
+def normalise_rank_info(rank_info: Mapping[Any, Mapping[str, Any]] | list[Mapping[str, Any]]
+                        | None) -> dict[int, dict]:
     """Rank topology keyed by int rank: `{node, local_rank, pid, world_size, dp/pp/tp_rank}`.
 
     Accepts the labels of `robust_rank_info` (strings, empty for unknown) or the `ranks/<pid>.json`
     identity (with a nested `topology`); keys may be ints or numeric strings.
     """
     out: dict[int, dict] = {}
-    for key, raw in (rank_info or {}).items():
+    if isinstance(rank_info, list):
+        items: Iterable[tuple[Any, Any]] = ((r.get("rank") if isinstance(r, Mapping) else None, r)
+                                            for r in rank_info)
+    elif isinstance(rank_info, Mapping) or rank_info is None:
+        items = (rank_info or {}).items()
+    else:
+        raise ValueError("rank_info must be a dict keyed by rank or a list of label dicts")
+    for key, raw in items:
+        if isinstance(raw, Mapping) and key in (None, "") and raw.get("rank") in (None, ""):
+            continue  # an entry of a rank the sidecar could not name: nothing to learn
         rank = _int_or_none(raw.get("rank", key) if isinstance(raw, Mapping) else key)
         if rank is None or not isinstance(raw, Mapping):
             raise ValueError(f"rank_info entry {key!r}: needs an integer rank and a dict of labels")
@@ -182,7 +197,9 @@ class _Rank:
     pid: int | None
     node: str | None
     info: dict[str, Any]
-    samples: list[dict[str, tuple[tuple[str, ...], ...]]] = field(default_factory=list)
+    # one dict per sample: role -> (sorted thread signatures, exact fingerprint of the role)
+    samples: list[dict[str, tuple[tuple[tuple[str, ...], ...], int]]] = field(
+        default_factory=list)
     idle_main: list[bool] = field(default_factory=list)
     first_frames: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
 
@@ -190,21 +207,25 @@ class _Rank:
         return self.rank if self.rank is not None else f"pid:{self.pid}@{self.node or '?'}"
 
 
-def analyse(dumps: list[dict[str, Any]], rank_info: Mapping[Any, Mapping[str, Any]] | None = None,
+def analyse(dumps: list[dict[str, Any]],
+            rank_info: Mapping[Any, Mapping[str, Any]] | list[Mapping[str, Any]] | None = None,
             *, min_share: float = 0.25, hang_fraction: float = 0.75,
             all_threads: bool = False) -> dict[str, Any]:
     """Group rank stacks and name the outliers of a hung job; see the module docstring.
 
     `dumps`: one dict per rank per sample, `{pid, threads, error}` plus, where known, `rank`,
-    `run`, `node` and `source` (where it came from). Several dicts for the same rank are successive
-    samples, in list order. `rank_info`: `{rank: {node, local_rank, pid, world_size, dp_rank,
-    pp_rank, tp_rank}}` (labels of `robust_rank_info`), used to name ranks of pid-only dumps, to map
-    suspects to nodes and parallel groups and to list ranks that sent nothing.
+    `run`, `node` and `source` (where it came from); or whole `/debug/stacks` answers of sidecars,
+    `{node, ranks: [...]}`, whose entries take the answer's node. Several dicts for the same rank
+    are successive samples, in list order. `rank_info`: `{rank: {node, local_rank, pid, world_size,
+    dp_rank, pp_rank, tp_rank}}` (labels of `robust_rank_info`), or a list of such dicts with a
+    `rank` each; it names the ranks of pid-only dumps, maps suspects to nodes and parallel groups
+    and lists the ranks that sent nothing.
 
-    Returns a JSON-ready dict: `suspects` (ranks; `pid:P@node` for a dump whose rank is unknown),
-    `nodes` (nodes of the suspects), `groups` (`role`, `signature` innermost frame first, `ranks`,
-    `count`, `healthy`, `state`), `suspect_details`, `hung`, `topology`, `missing_ranks`,
-    `errors` and `notes`.
+    Returns a JSON-ready dict: `suspects` (one dict per suspect rank: `rank`, `node`, `pid`,
+    `local_rank`, `dp_rank`, `pp_rank`, `tp_rank`, `roles`, `reasons`, `signatures`, `ident`),
+    `suspect_ranks` (their ranks; `pid:P@node` where the rank is unknown), `nodes` (nodes of the
+    suspects), `groups` (`role`, `signature` innermost frame first, `ranks`, `count`, `healthy`,
+    `state`), `hung`, `topology`, `missing_ranks`, `errors` and `notes`.
     """
     if not 0 < min_share <= 1:
         raise ValueError(f"min_share={min_share!r}: must be in (0, 1]")
@@ -212,6 +233,7 @@ def analyse(dumps: list[dict[str, Any]], rank_info: Mapping[Any, Mapping[str, An
         raise ValueError(f"hang_fraction={hang_fraction!r}: must be in (0, 1]")
     if not isinstance(dumps, list):
         raise ValueError("dumps must be a list of {pid, threads, error} dicts")
+    dumps = _flatten_sidecar_answers(dumps)
     info = normalise_rank_info(rank_info)
     by_pid: dict[tuple[str | None, int], int] = {}
     for rank, entry in info.items():
@@ -224,14 +246,19 @@ def analyse(dumps: list[dict[str, Any]], rank_info: Mapping[Any, Mapping[str, An
     frame = _FrameCache()
     ranks: dict[str, _Rank] = {}
     errors: list[dict[str, Any]] = []
+    seen_errors: set[tuple[Any, ...]] = set()
     for i, dump in enumerate(dumps):
         if not isinstance(dump, Mapping):
             raise ValueError(f"dumps[{i}] is {type(dump).__name__}, not a dict")
         state = _rank_of(dump, info, by_pid, ranks)
         if dump.get("error") or not dump.get("threads"):
-            errors.append({"rank": state.rank, "pid": state.pid, "node": state.node,
-                           "source": dump.get("source"),
-                           "error": str(dump.get("error") or "no Python threads in the dump")})
+            error = {"rank": state.rank, "pid": state.pid, "node": state.node,
+                     "source": dump.get("source"),
+                     "error": str(dump.get("error") or "no Python threads in the dump")}
+            seen = tuple(error.values())
+            if seen not in seen_errors:  # the same failure in every sample is one error
+                seen_errors.add(seen)
+                errors.append(error)
             continue
         _add_sample(state, dump, frame)
     analysed = [r for r in ranks.values() if r.samples]
@@ -252,6 +279,27 @@ def analyse(dumps: list[dict[str, Any]], rank_info: Mapping[Any, Mapping[str, An
         report["notes"].append(f"{len(failed)} rank(s) could not be dumped (see errors): "
                                f"{_short(sorted(failed))}; a rank that died can be the cause")
     return report
+
+
+def _flatten_sidecar_answers(dumps: list[Any]) -> list[Any]:
+    """`{node, ranks: [...]}` answers of `/debug/stacks` into per-rank dicts carrying the node."""
+    if not any(isinstance(d, Mapping) and "ranks" in d and "threads" not in d for d in dumps):
+        return dumps
+    out: list[Any] = []
+    for i, d in enumerate(dumps):
+        if not (isinstance(d, Mapping) and "ranks" in d and "threads" not in d):
+            out.append(d)
+            continue
+        if not isinstance(d["ranks"], list):
+            raise ValueError(f"dumps[{i}]: `ranks` must be a list")
+        for entry in d["ranks"]:
+            if isinstance(entry, Mapping):
+                entry = dict(entry)
+                entry.setdefault("node", d.get("node"))
+                if not entry.get("node"):
+                    entry["node"] = d.get("node")
+            out.append(entry)
+    return out
 
 
 def _rank_of(dump: Mapping[str, Any], info: dict[int, dict],
@@ -277,30 +325,45 @@ def _rank_of(dump: Mapping[str, Any], info: dict[int, dict],
 
 def _add_sample(state: _Rank, dump: Mapping[str, Any], frame: _FrameCache) -> None:
     by_role: dict[str, list[tuple[str, ...]]] = defaultdict(list)
+    exact: dict[str, list[int]] = defaultdict(list)
     idle_main = True
     for thread in dump["threads"]:
         frames = thread.get("frames") or []
         sig = tuple(frame(str(f.get("function", "?")), str(f.get("file", ""))) for f in frames)
         role = thread_role(thread, sig, state.pid)
         by_role[role].append(sig)
+        exact[role].append(hash((sig, tuple(_exact(f) for f in frames))))
         if role == "main":
             idle_main = idle_main and bool(thread.get("idle"))
         if role not in state.first_frames:
             state.first_frames[role] = frames
-    state.samples.append({role: tuple(sorted(sigs)) for role, sigs in by_role.items()})
+    state.samples.append({role: (tuple(sorted(sigs)), hash(tuple(sorted(exact[role]))))
+                          for role, sigs in by_role.items()})
     state.idle_main.append(idle_main)
 
 
+def _exact(f: Mapping[str, Any]) -> tuple[Any, Any]:
+    """What changes while a rank makes progress in the same code: the line and the locals."""
+    found = f.get("locals")
+    if isinstance(found, Mapping):
+        return f.get("line"), tuple(sorted((str(k), str(v)) for k, v in found.items()))
+    return f.get("line"), None
+
+
 def _role_signature(state: _Rank, role: str) -> tuple[tuple[str, ...], str]:
-    """The rank's signature for a role over its samples, and `stuck`, `progressing` or `single`."""
+    """The rank's signature for a role over its samples, and its state: `single` (one sample),
+    `stuck` (identical), `busy` (same functions, other lines or locals), `progressing`."""
     values = [s.get(role) for s in state.samples]
-    if len(values) == 1:
-        return _flatten(values[0]), "single"
-    if any(v is None for v in values):
+    first = values[0]
+    if len(values) == 1 and first is not None:
+        return _flatten(first[0]), "single"
+    if first is None or any(v is None for v in values):
         return (ABSENT,), "progressing"
-    if all(v == values[0] for v in values[1:]):
-        return _flatten(values[0]), "stuck"
-    return (PROGRESSING,), "progressing"
+    if any(v[0] != first[0] for v in values[1:]):
+        return (PROGRESSING,), "progressing"
+    if all(v[1] == first[1] for v in values[1:]):
+        return _flatten(first[0]), "stuck"
+    return _flatten(first[0]), "busy"
 
 
 def _flatten(sigs: tuple[tuple[str, ...], ...] | None) -> tuple[str, ...]:
@@ -376,10 +439,10 @@ def _group(analysed: list[_Rank], info: dict[int, dict], min_share: float, hang_
         "samples": max((len(r.samples) for r in analysed), default=0),
         "ranks_analysed": len(analysed),
         "stable_ranks": sorted(_idents(stuck_main), key=str),
-        "suspects": [s["ident"] for s in details],
+        "suspects": details,
+        "suspect_ranks": [s["ident"] for s in details],
         "nodes": nodes,
         "groups": groups,
-        "suspect_details": details,
         "topology": _topology(details, info),
         "notes": notes,
     }
