@@ -1,0 +1,244 @@
+"""The sidecar's HTTP face and command line: auth, bad input, config faults, TLS, no torch."""
+
+from __future__ import annotations
+
+import os
+import socket
+import ssl
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import bcrypt
+import httpx
+import pytest
+from starlette.testclient import TestClient
+
+from robust_metrics.hooks import control
+from robust_metrics.sidecar.auth import load_web_config
+from robust_metrics.sidecar.config import ConfigError, SidecarConfig, parse_listen
+from robust_metrics.sidecar.main import EXIT_BIND, EXIT_CONFIG, build
+from tests.support import ROOT, SidecarProcess, require_binary, wait_until
+
+TOKEN = "s3cret-token"
+
+
+def make_config(tmp_path: Path, **kwargs: object) -> SidecarConfig:
+    config = SidecarConfig(directory=str(tmp_path / "metrics"), node="n1",
+                           collectors=["ranks", "process", "nic"], sysfs=str(tmp_path), **kwargs)
+    config.validate()
+    return config
+
+
+@pytest.fixture
+def token_file(tmp_path: Path) -> Path:
+    path = tmp_path / "token"
+    path.write_text(TOKEN + "\n")
+    return path
+
+
+@pytest.fixture
+def client(tmp_path: Path, token_file: Path) -> Iterator[TestClient]:
+    app, _, _ = build(make_config(tmp_path, token_file=str(token_file)))
+    with TestClient(app) as c:
+        yield c
+
+
+def bearer(token: str = TOKEN) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+def test_importing_and_building_the_sidecar_never_imports_torch(tmp_path: Path) -> None:
+    code = (
+        "import sys\n"
+        "from robust_metrics.sidecar.main import build\n"
+        "from robust_metrics.sidecar.config import SidecarConfig\n"
+        "import robust_metrics.sidecar.collectors, robust_metrics.sidecar.app\n"
+        f"app, folder, _ = build(SidecarConfig(directory={str(tmp_path / 'm')!r}, "
+        "collectors=['ranks', 'process', 'nvml', 'nic', 'nccl']))\n"
+        "bad = [m for m in sys.modules if m == 'torch' or m.startswith('torch.')]\n"
+        "assert not bad, bad\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60,
+                            cwd=ROOT)
+    assert result.returncode == 0, result.stderr.decode()
+
+
+def test_missing_folder_is_created(tmp_path: Path) -> None:
+    config = make_config(tmp_path)
+    assert not os.path.exists(config.directory)
+    _, folder, _ = build(config)
+    assert os.path.isdir(os.path.join(config.directory, "ranks"))
+    folder.close()
+
+
+def test_metrics_and_healthz(client: TestClient) -> None:
+    assert client.get("/healthz").text == "ok\n"
+    response = client.get("/metrics")
+    assert response.status_code == 200
+    assert 'robust_sidecar_collector_success{collector="ranks"} 1.0' in response.text
+    om = client.get("/metrics", headers={"Accept": "application/openmetrics-text"})
+    assert om.headers["content-type"].startswith("application/openmetrics-text")
+    assert om.text.rstrip().endswith("# EOF")
+    assert client.get("/nope").status_code == 404
+
+
+def test_debug_and_control_need_the_bearer_token(client: TestClient) -> None:
+    for method, path in (("GET", "/debug/stacks"), ("POST", "/control/checkpoint")):
+        assert client.request(method, path).status_code == 401
+        response = client.request(method, path, headers=bearer("wrong"))
+        assert response.status_code == 401
+        assert response.headers["www-authenticate"].startswith("Bearer")
+        assert "Bearer" in response.json()["error"]
+
+
+def test_without_token_file_debug_and_control_are_disabled(tmp_path: Path) -> None:
+    app, _, _ = build(make_config(tmp_path))
+    with TestClient(app) as c:
+        response = c.post("/control/checkpoint", headers=bearer())
+        assert response.status_code == 403
+        assert "--token-file" in response.json()["error"]
+        assert c.get("/debug/stacks", headers=bearer()).status_code == 403
+
+
+def test_checkpoint_request_is_written_for_the_hook(client: TestClient, tmp_path: Path) -> None:
+    directory = str(tmp_path / "metrics")
+    response = client.post("/control/checkpoint", headers=bearer(), json={"at_step": 120})
+    assert response.status_code == 202, response.text
+    body = response.json()
+    request = control.read_checkpoint_request(directory)
+    assert request is not None and request.id == body["request_id"] and request.at_step == 120
+    again = client.post("/control/checkpoint?at_step=7", headers=bearer())
+    assert again.status_code == 202 and again.json()["request_id"] >= body["request_id"]
+    assert control.read_checkpoint_request(directory).at_step == 7
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"json": {"at_step": -1}}, {"json": {"at_step": "soon"}}, {"json": {"step": 3}},
+    {"json": [1]}, {"content": b"{not json"}, {"params": {"at_step": "x"}},
+])
+def test_bad_checkpoint_requests_get_400(client: TestClient, kwargs: dict) -> None:
+    response = client.post("/control/checkpoint", headers=bearer(), **kwargs)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]
+
+
+def test_checkpoint_is_post_only(client: TestClient) -> None:
+    assert client.get("/control/checkpoint", headers=bearer()).status_code == 405
+
+
+@pytest.mark.parametrize("query", ["native=maybe", "locals=2", "timeout=abc", "timeout=0"])
+def test_bad_stack_queries_get_400(client: TestClient, query: str) -> None:
+    response = client.get(f"/debug/stacks?{query}", headers=bearer())
+    assert response.status_code == 400, response.text
+
+
+def test_stacks_with_no_ranks_is_an_empty_list(client: TestClient) -> None:
+    response = client.get("/debug/stacks", headers=bearer())
+    assert response.status_code == 200
+    assert response.json() == {"node": "n1", "ranks": []}
+
+
+def test_basic_auth_guards_metrics_but_not_healthz(tmp_path: Path) -> None:
+    hashed = bcrypt.hashpw(b"pw", bcrypt.gensalt(4)).decode()
+    web = tmp_path / "web.yml"
+    web.write_text(f"basic_auth_users:\n  prom: '{hashed}'\n")
+    app, _, _ = build(make_config(tmp_path, web_config=str(web)))
+    with TestClient(app) as c:
+        assert c.get("/healthz").status_code == 200
+        denied = c.get("/metrics")
+        assert denied.status_code == 401 and "Basic" in denied.headers["www-authenticate"]
+        assert c.get("/metrics", auth=("prom", "wrong")).status_code == 401
+        assert c.get("/metrics", auth=("nobody", "pw")).status_code == 401
+        assert c.get("/metrics", auth=("prom", "pw")).status_code == 200
+        assert c.get("/metrics", auth=("prom", "pw")).status_code == 200  # cached path
+        assert c.get("/metrics", headers={"Authorization": "Basic !!!"}).status_code == 401
+
+
+@pytest.mark.parametrize("text, message", [
+    ("tls_server_config: [1]\n", "must be a mapping"),
+    ("listen: 1\n", "unknown key"),
+    ("basic_auth_users:\n  prom: plaintext\n", "bcrypt"),
+    ("tls_server_config:\n  key_file: /nope\n", "cert_file is required"),
+    ("tls_server_config:\n  cert_file: /nope\n  key_file: /nope\n", "not readable"),
+    ("tls_server_config:\n  cert_file: X\n  key_file: X\n  client_auth_type: Maybe\n",
+     "client_auth_type"),
+    ("a: [unclosed\n", "not valid YAML"),
+])
+def test_bad_web_config_is_named(tmp_path: Path, text: str, message: str) -> None:
+    path = tmp_path / "web.yml"
+    path.write_text(text.replace("X", str(path)))
+    with pytest.raises(ConfigError, match=message):
+        load_web_config(str(path))
+
+
+def test_listen_parsing() -> None:
+    assert parse_listen("127.0.0.1:9741") == ("127.0.0.1", 9741)
+    assert parse_listen(":9741") == ("0.0.0.0", 9741)
+    assert parse_listen("[::1]:80") == ("::1", 80)
+    for bad in ("9741", "host:port", "h:70000"):
+        with pytest.raises(ConfigError):
+            parse_listen(bad)
+
+
+def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "robust_metrics", "sidecar", *args],
+                          capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def test_cli_exit_codes_for_config_faults(tmp_path: Path) -> None:
+    directory = str(tmp_path / "m")
+    unreadable = run_cli("--dir", directory, "--token-file", str(tmp_path / "missing"))
+    assert unreadable.returncode == EXIT_CONFIG
+    assert "--token-file" in unreadable.stderr and "cannot read" in unreadable.stderr
+    (tmp_path / "empty").write_text("\n")
+    empty = run_cli("--dir", directory, "--token-file", str(tmp_path / "empty"))
+    assert empty.returncode == EXIT_CONFIG and "empty" in empty.stderr
+    (tmp_path / "web.yml").write_text("nonsense: 1\n")
+    web = run_cli("--dir", directory, "--web-config", str(tmp_path / "web.yml"))
+    assert web.returncode == EXIT_CONFIG and "unknown key" in web.stderr
+    listen = run_cli("--dir", directory, "--listen", "nowhere")
+    assert listen.returncode == EXIT_CONFIG and "--listen" in listen.stderr
+    assert run_cli("--dir", directory, "--bogus").returncode == 2  # argparse
+
+
+def test_cli_port_taken_exits_3(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        result = run_cli("--dir", str(tmp_path / "m"), "--listen", f"127.0.0.1:{port}",
+                         "--no-collector.nvml", "--no-collector.nccl")
+    assert result.returncode == EXIT_BIND, result.stderr
+    assert "already in use" in result.stderr
+
+
+def test_tls_from_web_config(tmp_path: Path) -> None:
+    openssl = require_binary("openssl")
+    cert, key = tmp_path / "tls.crt", tmp_path / "tls.key"
+    subprocess.run([openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True,
+                   timeout=60)
+    web = tmp_path / "web.yml"
+    web.write_text(f"tls_server_config:\n  cert_file: {cert}\n  key_file: {key}\n"
+                   "  min_version: TLS12\n")
+    args = ["--web-config", str(web), "--no-collector.nvml", "--no-collector.nccl"]
+    sidecar = SidecarProcess(tmp_path / "m", args, log_path=tmp_path / "sidecar.log")
+    trust = ssl.create_default_context(cafile=str(cert))
+    try:
+        url = sidecar.url.replace("http://", "https://")
+
+        def ready() -> bool:
+            if sidecar.proc.poll() is not None:
+                raise AssertionError(sidecar.output())
+            return httpx.get(f"{url}/healthz", verify=trust, timeout=2).status_code == 200
+
+        wait_until(ready, timeout=30, message="TLS sidecar")
+        response = httpx.get(f"{url}/metrics", verify=trust, timeout=5)
+        assert response.status_code == 200 and "robust_sidecar_collector_success" in response.text
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"{sidecar.url}/healthz", timeout=2)  # plain HTTP is not served
+    finally:
+        sidecar.stop()
