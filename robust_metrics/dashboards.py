@@ -123,49 +123,32 @@ def _mean(metric: str, sel: str, window: str = RI) -> str:
     return f"rate({metric}_sum{{{sel}}}[{window}]) / rate({metric}_count{{{sel}}}[{window}])"
 
 
-def _on_nodes(expr: str, extra: str = "node") -> str:
-    """Keep the per-rank series of ranks on the selected nodes, adding topology labels.
+def _on_nodes(expr: str) -> str:
+    """Keep the per-rank series of ranks on the selected nodes, adding their `node` label.
 
-    Topology lives on `robust_rank_info` only (one info series per rank process); `topk by` picks
-    one series per rank so a restarted rank's second pid cannot make the join many-to-many.
+    Topology lives on one info series per rank (principle 4); the recording rule keeps one per
+    (run, rank), so a restarted rank's second pid cannot make the join many-to-many.
     """
-    return (f"({expr}) * on(run, rank) group_left({extra}) "
-            f'topk by (run, rank) (1, robust_rank_info{{{RUN}, {NODES}}})')
+    return f"({expr}) * on(run, rank) group_left(node) {RANK_NODE}{{{RUN}, {NODES}}}"
 
 
-def _median_step(sel: str = RUN, window: str = RI) -> str:
-    """Median across a run's ranks of each rank's mean step time over the window."""
-    return f"quantile by (run) (0.5, {_mean('robust_step_duration_seconds', sel, window)})"
+def _with_topology(expr: str) -> str:
+    """Add node, local rank and data/pipeline/tensor-parallel coordinates from robust_rank_info."""
+    return (f"({expr}) * on(run, rank) group_left(node, local_rank, dp_rank, pp_rank, tp_rank) "
+            f"topk by (run, rank) (1, robust_rank_info{{{RUN}, {NODES}}})")
 
 
-# Recording rules of alert_rules/ are used by name where they exist (tests check every
-# `level:metric:operations` name against alert_rules/*.yml); until then the raw PromQL over schema
-# metrics below computes the same thing.
-
-# Per-rank compute time (step time minus time blocked in collectives) relative to the median of
-# the run: the straggler signal (ARCHITECTURE.md, principle 5). The median is over all of the
-# run's ranks, not only the selected ones.
-COMPUTE_RATIO = (f"({_mean('robust_step_compute_seconds', RANKS, '1m')}) / on(run) group_left "
-                 f"quantile by (run) (0.5, {_mean('robust_step_compute_seconds', RUN, '1m')})")
-STEP_TIME_MEDIAN = _median_step()
-STEP_TIME_MAX = f"max by (run) ({_mean('robust_step_duration_seconds', RUN, RI)})"
-THROUGHPUT = f"avg by (run) (rate(robust_steps_total{{{RUN}}}[1m]))"
-# Online slowdown S = T_actual / T_ideal. In a synchronous step every rank takes the step time;
-# without stragglers it would take the median compute time plus the pure transfer time, which is
-# best seen on the rank that waits least in collectives (the slowest one: min of step - compute).
-SLOWDOWN = (
-    f"{_median_step(RUN, '1m')} / ("
-    f"quantile by (run) (0.5, {_mean('robust_step_compute_seconds', RUN, '1m')}) + "
-    f"min by (run) (clamp_min({_mean('robust_step_duration_seconds', RUN, '1m')} - "
-    f"{_mean('robust_step_compute_seconds', RUN, '1m')}, 0)))")
-# Effective training time ratio: training progress (global step, so work replayed after a restore
-# does not count twice) times the median step time, over the wall time covered.
-_PROGRESS = f"max by (run) (robust_global_step{{{RUN}}})"
-ETTR_1H = (f"clamp_max((max_over_time({_PROGRESS}[1h:15s]) - min_over_time({_PROGRESS}[1h:15s])) "
-           f"* {_median_step(RUN, '5m')} / clamp_min(time() - min_over_time(timestamp("
-           f"{_PROGRESS})[1h:15s]), 15), 1)")
-ETTR_START = (f"clamp_max({_PROGRESS} * {_median_step(RUN, '5m')} / clamp_min(time() - "
-              f"min_over_time(timestamp({_PROGRESS})[7d:30s]), 30), 1)")
+# Recording rules of alert_rules/ (`level:metric:operations`); tests check every name used here
+# against alert_rules/*.yml. They smooth over 5 minutes, as the alerts do.
+COMPUTE_RATIO = f"run_rank:robust_step_compute_seconds:ratio_to_median5m{{{RANKS}}}"
+STEP_TIME_MEDIAN = f"run:robust_step_duration_seconds:median5m{{{RUN}}}"
+STEP_TIME_MAX = f"max by (run) (run_rank:robust_step_duration_seconds:mean5m{{{RUN}}})"
+THROUGHPUT = f"run:robust_steps:rate5m{{{RUN}}}"
+SLOWDOWN = f"run:robust_straggler_slowdown:ratio5m{{{RUN}}}"
+ETTR_1H = f"run:robust_ettr:ratio1h{{{RUN}}}"
+ETTR_START = f"run:robust_ettr:ratio_since_start{{{RUN}}}"
+STEP_AGE = f"run_rank:robust_step_age_seconds:max{{{RANKS}}}"
+RANK_NODE = "run_rank:robust_rank_info:last"
 
 
 # --- panel styles -------------------------------------------------------------------------------
@@ -359,8 +342,7 @@ STRAGGLERS = DashboardSpec(
                       "horizontal stripe is one slow rank; a block of adjacent ranks is a "
                       "pipeline stage or a node.", width=24, height=12, style=_heatmap),
             PanelSpec("Slowest ranks", "table",
-                      (Target(_on_nodes(f"topk(10, {COMPUTE_RATIO})",
-                                        "node, local_rank, dp_rank, pp_rank, tp_rank"), "", True),),
+                      (Target(_with_topology(f"topk(10, {COMPUTE_RATIO})"), "", True),),
                       "The ten ranks with the highest compute time relative to the median, with "
                       "their node and parallel coordinates (from robust_rank_info).",
                       width=12, height=9, style=_chain(_hide_time, _table_sorted("Value"))),
@@ -395,10 +377,10 @@ STRAGGLERS = DashboardSpec(
                       "Mean compute time per step of each rank on the selected nodes.",
                       unit="s", width=8),
             PanelSpec("Seconds since last step", "timeseries",
-                      (Target(f"time() - robust_last_step_timestamp_seconds{{{RANKS}}}",
-                              "rank {{rank}}"),),
-                      "Age of each rank's last completed step. One rank far behind its peers while "
-                      "they sit in a collective is the culprit of a hang.", unit="s", width=8),
+                      (Target(STEP_AGE, "rank {{rank}}"),),
+                      "Age of each rank's last completed step (from the sidecar, else the rank). "
+                      "One rank far behind its peers while they sit in a collective is the "
+                      "culprit of a hang.", unit="s", width=8),
             PanelSpec("Collectives in flight", "timeseries",
                       (Target(f"robust_collectives_entered_total{{{RANKS}}} - "
                               f"robust_collectives_completed_total{{{RANKS}}}",
