@@ -123,17 +123,19 @@ class SidecarProcess:
     """A real `robust-metrics sidecar` on a free loopback port, stopped (then killed) on exit.
 
     `args` are extra command-line flags; its output goes to `log_path` when given (read it with
-    `output()` in failure messages).
+    `output()` in failure messages). `launcher` replaces `python -m robust_metrics` (e.g. a script
+    that installs a fake pynvml before calling `robust_metrics.cli.main`).
     """
 
     def __init__(self, directory: Path | str, args: Sequence[str] = (), *,
-                 log_path: Path | None = None, env: dict[str, str] | None = None) -> None:
+                 log_path: Path | None = None, env: dict[str, str] | None = None,
+                 launcher: Sequence[str] = (sys.executable, "-m", "robust_metrics")) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         out = open(log_path, "wb") if log_path else subprocess.DEVNULL  # noqa: SIM115
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "robust_metrics", "sidecar", "--dir", str(directory),
+            [*launcher, "sidecar", "--dir", str(directory),
              "--listen", f"127.0.0.1:{self.port}", *args],
             stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
             start_new_session=True)
