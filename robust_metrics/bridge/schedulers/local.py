@@ -173,20 +173,32 @@ class LocalScheduler:
         pgid = proc.pid  # started with start_new_session: the group is the leader's pid
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pgid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=self.stop_timeout_s)
-        except psutil.TimeoutExpired:
+        if not self._wait_gone(proc, self.stop_timeout_s):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pgid, signal.SIGKILL)
-            with contextlib.suppress(psutil.Error):
-                proc.wait(timeout=10)
-        except psutil.Error:
-            pass
+            self._wait_gone(proc, 10.0)
         # The leader is gone; stragglers of its group (workers that ignored SIGTERM) go too.
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pgid, signal.SIGKILL)
         self._reap(proc.pid)
         return proc.pid
+
+    def _wait_gone(self, proc: psutil.Process, timeout: float) -> bool:
+        """Wait for exit; a zombie counts as gone (its parent, maybe not us, reaps it)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            child = self._children.get(proc.pid)
+            if child is not None and child.poll() is not None:
+                return True
+            try:
+                if proc.status() == psutil.STATUS_ZOMBIE:
+                    return True
+            except psutil.NoSuchProcess:
+                return True
+            except psutil.Error:
+                pass
+            time.sleep(0.05)
+        return False
 
     def restart(self, run: str, reason: str, *, key: str | None = None) -> ActionResult:
         with self._lock:
