@@ -172,6 +172,8 @@ class Watch:
             self._restore.append(lambda: gc.callbacks.remove(self._on_gc))
         if o.collectives:
             self._install_collectives()
+        if o.trace_every:  # sampled op traces for `robust-metrics whatif`; nothing when off
+            self._install_trace()
         if self.control.install_signal():
             self._restore.append(self.control.restore_signal)
 
@@ -198,6 +200,17 @@ class Watch:
                     self.model.process_group))
             except (RuntimeError, ValueError) as exc:  # e.g. the user registered their own
                 log.info("robust-metrics: DDP buckets not timed: %s", exc)
+
+    @_guard("trace")
+    def _install_trace(self) -> None:
+        from robust_metrics.hooks.trace import TraceRecorder
+
+        o, tracker = self.options, self.tracker
+        recorder = TraceRecorder(
+            trace_dir=str(o.trace_dir), every=o.trace_every, steps=o.trace_steps, rank=o.rank,
+            topology=o.topology, on_error=self._error, current_step=lambda: self.global_step,
+            ddp_window=lambda: (tracker._ddp_last_launch, tracker._ddp_last_done))
+        self._restore.extend(recorder.install(self.model, self.optimizer))
 
     # -- hooks -----------------------------------------------------------------------------
     def _wrap_backward(self, original: Callable[..., Any]) -> Callable[..., Any]:
@@ -482,6 +495,8 @@ def watch(model: Any = None, optimizer: Any = None, **options: Any) -> Watch:
       collectives: time torch.distributed collectives and DDP buckets (default True);
       gc_pauses: time Python GC pauses (default True);
       flush_interval: seconds between writes of the multiprocess files (default 0.25).
+      trace_dir, trace_every, trace_steps: record trace_steps steps out of every trace_every
+        (0: off) as what-if op traces in trace_dir (robust_metrics.hooks.trace, docs/whatif.md).
 
     Raises TypeError or ValueError for bad options; nothing raised later reaches the training loop.
     """

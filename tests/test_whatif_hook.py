@@ -1,0 +1,91 @@
+"""The hook's what-if trace recorder: a real 4-rank gloo job with one slow rank, analysed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from robust_metrics.analysis.whatif import analyze, load_model
+from tests.support import RankJob
+
+JOB = Path(__file__).parent / "whatif_trace_job.py"
+
+
+@pytest.mark.integration
+def test_trace_of_a_real_job_names_the_slow_rank(tmp_path):
+    trace = tmp_path / "trace"
+    env = {"TRACE_DIR": str(trace), "TRACE_EVERY": "2", "TRACE_STEPS": "1",
+           "ROBUST_METRICS_BACKEND": "null"}
+    args = ["--steps", "16", "--slow-rank", "2", "--slow-seconds", "0.03"]
+    with RankJob(4, args, script=JOB, env=env, log_dir=tmp_path) as job:
+        codes = job.wait(timeout=180)
+        assert codes == [0, 0, 0, 0], job.logs()
+    files = sorted(p.name for p in trace.glob("*.jsonl"))
+    assert files == [f"trace-rank{r}.jsonl" for r in range(4)]
+    rows = [json.loads(line) for line in (trace / "trace-rank0.jsonl").read_text().splitlines()]
+    assert {r["step"] for r in rows} == set(range(0, 16, 2))  # every 2nd step, 1 step each
+    assert {r["optype"] for r in rows} >= {"forward-compute", "backward-compute",
+                                           "grads-reduce-scatter", "optimizer", "gc"}
+
+    result = analyze(load_model(trace))
+    assert result.slowdown > 1.5  # 30 ms of sleep against a ~1 ms step
+    assert next(iter(result.by_dp_rank)) == 2
+    assert next(iter(result.rank_scores)) == 2
+    assert result.mw_detail["ranks"] == [2]
+    assert result.mw > 0.8
+    assert next(iter(result.by_optype)) == "forward-compute"
+
+
+def test_recorder_samples_the_same_steps_on_every_rank(tmp_path):
+    from robust_metrics.hooks.trace import TraceRecorder
+
+    recorder = TraceRecorder(trace_dir=str(tmp_path), every=10, steps=3, rank=5,
+                             topology={"dp_rank": 1, "pp_rank": 2}, on_error=_raise,
+                             current_step=lambda: 0)
+    assert [s for s in range(25) if recorder.is_sampled(s)] == [0, 1, 2, 10, 11, 12, 20, 21, 22]
+    assert (recorder.dp_rank, recorder.stage) == (1, 2)
+
+
+def test_single_process_watch_writes_a_trace_that_loads(tmp_path):
+    import torch
+
+    import robust_metrics
+
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with robust_metrics.watch(model, opt, backend="null", trace_dir=str(tmp_path),
+                              trace_every=1, trace_steps=1, checkpoint_signal=None):
+        for _ in range(3):
+            for _ in range(2):  # two microbatches
+                model(torch.randn(4, 8)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    model_ = load_model(tmp_path)
+    assert list(model_.steps) == [0, 1, 2]
+    names = {op.name for op in model_.graph.ops}
+    assert {"forward-compute_1_0", "backward-compute_1_0", "optimizer_0_0", "gc_0_0"} <= names
+    assert analyze(model_).slowdown > 0
+
+
+def test_tracing_off_installs_nothing(tmp_path):
+    import torch
+
+    import robust_metrics
+    from robust_metrics.hooks import trace
+
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    backward = torch.Tensor.backward
+    with robust_metrics.watch(model, opt, backend="null", checkpoint_signal=None) as handle:
+        assert trace._active is None
+        assert handle.options.trace_every == 0
+        model(torch.randn(1, 2)).sum().backward()
+        opt.step()
+    assert torch.Tensor.backward is backward
+    assert not list(tmp_path.iterdir())
+
+
+def _raise(where: str, exc: BaseException) -> None:
+    raise exc
