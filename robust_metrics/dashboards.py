@@ -123,6 +123,15 @@ def _mean(metric: str, sel: str, window: str = RI) -> str:
     return f"rate({metric}_sum{{{sel}}}[{window}]) / rate({metric}_count{{{sel}}}[{window}])"
 
 
+def _increase(selector: str, window: str = RI) -> str:
+    """Increase of a counter over the window, counting a series born inside it in full.
+
+    Counters that exist only once something happened (XID codes, bridge actions, hook errors)
+    appear at 1; plain `increase()` reads that first event as no increase at all.
+    """
+    return f"({selector} unless {selector} offset {window} or increase({selector}[{window}]))"
+
+
 def _on_nodes(expr: str) -> str:
     """Keep the per-rank series of ranks on the selected nodes, adding their `node` label.
 
@@ -302,9 +311,9 @@ TRAINING_OVERVIEW = DashboardSpec(
                       "Total L2 norm of the gradients (log scale): spikes precede loss spikes "
                       "and divergence.", width=8, style=_log),
             PanelSpec("Non-finite steps", "timeseries", (
-                Target(f"sum by (run) (increase(robust_nonfinite_loss_steps_total{{{RANKS}}}[{RI}]))",
+                Target(f"sum by (run) {_increase(f'robust_nonfinite_loss_steps_total{{{RANKS}}}')}",
                        "loss {{run}}"),
-                Target(f"sum by (run) (increase(robust_nonfinite_grad_steps_total{{{RANKS}}}[{RI}]))",
+                Target(f"sum by (run) {_increase(f'robust_nonfinite_grad_steps_total{{{RANKS}}}')}",
                        "gradient {{run}}"),
             ), "Steps whose loss or gradient norm was NaN or infinite. Zero in a healthy run.",
                width=8, needs=Needs.NONFINITE, style=_bars),
@@ -319,7 +328,7 @@ TRAINING_OVERVIEW = DashboardSpec(
                       "How many ranks are training, evaluating or checkpointing. Hang and slowness "
                       "alerts stay silent outside `train`.", width=6, style=_stacked),
             PanelSpec("Hook errors", "timeseries",
-                      (Target(f"sum by (run, where) (increase(robust_hook_errors_total{{{RUN}}}[{RI}]))",
+                      (Target(f"sum by (run, where) {_increase(f'robust_hook_errors_total{{{RUN}}}')}",
                               "{{where}} {{run}}"),),
                       "Exceptions the hook caught (training went on). Any value here means a "
                       "metric may be missing or wrong.", width=6, needs=Needs.HOOK_ERROR, style=_bars),
@@ -431,14 +440,16 @@ NODE_GPU_HEALTH = DashboardSpec(
         )),
         Section("GPU errors", (
             PanelSpec("XID events", "timeseries",
-                      (Target(f"sum by (node, gpu, xid) (increase(robust_gpu_xid_errors_total"
-                              f"{{{NODES}}}[{RI}]))", "{{node}} gpu {{gpu}} xid {{xid}}"),),
+                      (Target(f"sum by (node, gpu, xid) "
+                              f"{_increase(f'robust_gpu_xid_errors_total{{{NODES}}}')}",
+                              "{{node}} gpu {{gpu}} xid {{xid}}"),),
                       "Driver XID events (48: double-bit ECC, 79: fallen off the bus, 94/95: "
                       "contained/uncontained ECC). Series exist only once an XID occurred.",
                       width=8, needs=Needs.GPU_FAULT, style=_bars),
             PanelSpec("ECC errors", "timeseries",
-                      (Target(f"sum by (node, gpu, type) (increase(robust_gpu_ecc_errors_total"
-                              f"{{{NODES}}}[{RI}]))", "{{node}} gpu {{gpu}} {{type}}"),),
+                      (Target(f"sum by (node, gpu, type) "
+                              f"{_increase(f'robust_gpu_ecc_errors_total{{{NODES}}}')}",
+                              "{{node}} gpu {{gpu}} {{type}}"),),
                       "ECC errors by type. Uncorrected errors crash the job; a rising corrected "
                       "count announces them.", width=8, needs=Needs.GPU, style=_bars),
             PanelSpec("Row remaps, PCIe replays, lost GPUs", "timeseries", (
@@ -494,8 +505,8 @@ NODE_GPU_HEALTH = DashboardSpec(
 def _action_stat(title: str, action: str) -> PanelSpec:
     return PanelSpec(
         title, "stat",
-        (Target(f'sum(increase(robust_bridge_actions_total{{{RUN}, action="{action}", '
-                f'result!="skipped"}}[$__range]))', "", True),),
+        (Target("sum " + _increase(f'robust_bridge_actions_total{{{RUN}, action="{action}", '
+                             f'result!="skipped"}}', "$__range"), "", True),),
         f"{title} the bridge performed in the time range (dry runs included, skips not).",
         unit="none", width=6, height=4, needs=Needs.BRIDGE)
 
@@ -518,13 +529,15 @@ ACTIONS = DashboardSpec(
         Section("Actions", (
             *_ACTION_STATS,
             PanelSpec("Actions over time", "timeseries",
-                      (Target(f"sum by (action, result) (increase(robust_bridge_actions_total"
-                              f"{{{RUN}}}[{RI}]))", "{{action}} {{result}}"),),
+                      (Target(f"sum by (action, result) "
+                              f"{_increase(f'robust_bridge_actions_total{{{RUN}}}')}",
+                              "{{action}} {{result}}"),),
                       "Actions per rate window by action and result (success, failed, skipped, "
                       "dry_run).", width=12, needs=Needs.BRIDGE, style=_bars),
             PanelSpec("Actions by result", "table",
-                      (Target(f"sum by (run, action, result) (increase(robust_bridge_actions_total"
-                              f"{{{RUN}}}[$__range])) > 0", "", True),),
+                      (Target(f"sum by (run, action, result) "
+                              f"{_increase(f'robust_bridge_actions_total{{{RUN}}}', '$__range')} > 0",
+                              "", True),),
                       "Every action and result in the time range, with counts.",
                       width=12, needs=Needs.BRIDGE, style=_hide_time),
             PanelSpec("Action duration (p90)", "timeseries",

@@ -44,7 +44,7 @@ LABEL_LISTS = re.compile(r"\b(by|without|on|ignoring|group_left|group_right)\s*\
 MATCHERS = re.compile(r"\{[^}]*\}")
 STRINGS = re.compile(r'"(?:[^"\\]|\\.)*"')
 RANGES = re.compile(r"\[[^\]]*\]")
-IDENT = re.compile(r"(?<![\w.])([A-Za-z_:][\w:]*)")
+IDENT = re.compile(r"(?<![\w.$])([A-Za-z_:][\w:]*)")
 
 
 LABEL_VALUES = re.compile(r"^label_values\((.*),\s*(\w+)\)$")
