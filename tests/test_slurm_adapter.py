@@ -1,0 +1,214 @@
+"""The `slurm` adapter against a real single-node Slurm (munge, slurmctld, slurmd, slurmrestd).
+
+A batch job runs examples/train_ddp.py with the hook: the adapter's SIGUSR1 makes it checkpoint
+once, requeue restarts it and it resumes from that checkpoint, drain marks the node drained.
+Config validation and the REST error paths are checked too. Skips (with the reason) only where
+the Debian packages are not installed or the test is not root.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from robust_metrics.bridge.schedulers import base
+from robust_metrics.bridge.schedulers.slurm import SlurmScheduler
+from tests.slurm.cluster import SlurmCluster, SlurmUnavailable, missing_binaries
+from tests.support import EXAMPLE, ROOT, wait_until
+
+SBATCH = ROOT / "tests" / "slurm" / "train.sbatch"
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[SlurmCluster]:
+    missing = missing_binaries()
+    if missing:
+        pytest.skip(f"Slurm not installed ({', '.join(missing)} missing): scripts/"
+                    "install-system-deps.sh installs slurm-wlm slurmrestd slurm-wlm-jwt-plugin munge")
+    with tempfile.TemporaryDirectory(prefix="rm-slurm-") as tmp:
+        c = SlurmCluster(Path(tmp))
+        try:
+            c.start()
+        except SlurmUnavailable as exc:
+            if "root" in str(exc) and "SlurmUser" in str(exc):
+                pytest.skip(str(exc))
+            raise
+        try:
+            yield c
+        finally:
+            c.stop()
+
+
+@pytest.fixture
+def rest(cluster: SlurmCluster, tmp_path: Path) -> SlurmScheduler:
+    token = tmp_path / "jwt"
+    token.write_text(f"SLURM_JWT={cluster.token()}\n")  # as `scontrol token` prints it
+    return SlurmScheduler({"url": cluster.rest_url, "user": "root", "token_file": str(token),
+                           "slurm_conf": str(cluster.conf), "timeout_s": 10})
+
+
+def _log(path: Path) -> str:
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
+@pytest.mark.integration
+def test_signal_checkpoints_once_then_requeue_resumes(cluster: SlurmCluster, rest: SlurmScheduler,
+                                                      tmp_path: Path) -> None:
+    log, ckpt, metrics = tmp_path / "job.log", tmp_path / "ckpt", tmp_path / "metrics"
+    job = cluster.sbatch(SBATCH, f"--output={log}", env={
+        "RM_PYTHON": sys.executable, "RM_TRAIN": str(EXAMPLE), "RM_CKPT_DIR": str(ckpt),
+        "ROBUST_METRICS_DIR": str(metrics)})
+    try:
+        # watch() has installed its SIGUSR1 handler once the rank registered itself
+        wait_until(lambda: list((metrics / "ranks").glob("*.json")), 90, interval=0.3,
+                   message=f"the hook of job {job} to start\n{_log(log)}")
+        result = rest.signal(job, signal.SIGUSR1)
+        assert result.ok and result.data == {"job_id": job, "signal": "SIGUSR1"}
+        line = wait_until(lambda: re.search(r"checkpoint at step (\d+)", _log(log)), 30,
+                          message=f"a checkpoint after SIGUSR1\n{_log(log)}")
+        step = int(line.group(1))
+        wait_until(lambda: cluster.job_field(job, "JobState") == "RUNNING", 5,
+                   message="the job to keep running")
+        assert (ckpt / "checkpoint.pt").exists()
+        assert len(re.findall(r"checkpoint at step", _log(log))) == 1, _log(log)
+        assert rest.job(job)["job_state"] == "RUNNING"
+
+        result = rest.restart(job, f"StepHang on run {job}")
+        assert result.ok and result.data["job_id"] == job
+        assert result.data["job_state"] in ("COMPLETING", "PENDING", "REQUEUED", "CONFIGURING")
+        wait_until(lambda: f"resumed from step {step}" in _log(log), 90, interval=0.3,
+                   message=f"the requeued job to resume from step {step}\n{_log(log)}\n"
+                           f"{cluster.cli('scontrol', 'show', 'job', job)}")
+        assert "start restart=1" in _log(log)
+        assert cluster.job_field(job, "Restarts") == "1"
+        assert rest.job(job)["restart_cnt"] == 1
+
+        assert rest.cancel(job, "test over").ok
+        wait_until(lambda: cluster.job_field(job, "JobState") == "CANCELLED", 30,
+                   message="the job to be cancelled")
+    finally:
+        cluster.cli("scancel", job, check=False)
+
+
+@pytest.mark.integration
+def test_drain_marks_node_drained_with_the_alert_as_reason(cluster: SlurmCluster,
+                                                           rest: SlurmScheduler,
+                                                           tmp_path: Path) -> None:
+    noop = tmp_path / "noop.sh"
+    noop.write_text("#!/bin/bash\ntrue\n")
+    try:
+        result = rest.drain_node(cluster.node, "robust-metrics bridge: GpuXidError on\nrun 42")
+        assert result.ok and result.data["reason"] == "robust-metrics bridge: GpuXidError on run 42"
+        _, reason = wait_until(lambda: (s := cluster.node_state())[0] == "drained" and s,
+                               20, message="the node to show drained")
+        assert reason == "robust-metrics bridge: GpuXidError on run 42"
+        job = cluster.sbatch(noop, "--output=/dev/null")
+        assert cluster.job_field(job, "JobState") == "PENDING"  # nothing starts on it
+        cluster.cli("scancel", job)
+    finally:
+        cluster.cli("scontrol", "update", f"NodeName={cluster.node}", "State=RESUME", check=False)
+
+
+@pytest.mark.integration
+def test_cli_only_adapter_signals_steps_and_cancels(cluster: SlurmCluster, tmp_path: Path) -> None:
+    cli = SlurmScheduler({"slurm_conf": str(cluster.conf), "signal_scope": "steps"})
+    out = tmp_path / "steps.log"
+    script = tmp_path / "steps.sh"
+    script.write_text("#!/bin/bash\n"
+                      "srun bash -c 'trap \"echo step got USR1\" USR1; "
+                      "for i in $(seq 600); do sleep 0.1; done'\n")
+    job = cluster.sbatch(script, f"--output={out}")
+    try:
+        wait_until(lambda: f"{job}.0" in cluster.cli("squeue", "-h", "-s", "-j", job, "-o",
+                                                     "%i").split(),
+                   30, message="the srun step to start")
+        wait_until(lambda: cli.signal(job, signal.SIGUSR1).ok and "step got USR1" in _log(out),
+                   20, interval=1, message=f"the step to get SIGUSR1\n{_log(out)}")
+        # the batch shell was not signalled: an untrapped SIGUSR1 would have ended the job
+        assert cluster.job_field(job, "JobState") == "RUNNING"
+        assert cli.cancel(job, "done").ok
+        wait_until(lambda: cluster.job_field(job, "JobState") == "CANCELLED", 30,
+                   message="the job to be cancelled")
+    finally:
+        cluster.cli("scancel", job, check=False)
+    with pytest.raises(base.SchedulerError, match="Invalid job id"):
+        cli.restart("999999", "no such job")
+    with pytest.raises(base.SchedulerError, match="Invalid node name"):
+        cli.drain_node("no-such-node", "x")
+
+
+@pytest.mark.integration
+def test_rest_errors_are_scheduler_errors(cluster: SlurmCluster, rest: SlurmScheduler) -> None:
+    with pytest.raises(base.SchedulerError, match="Invalid job id"):
+        rest.signal("999999", signal.SIGUSR1)
+    with pytest.raises(base.SchedulerError, match="Invalid job id"):
+        rest.cancel("999999", "no such job")
+    bad = SlurmScheduler({"url": cluster.rest_url, "user": "root", "token": "not-a-jwt"})
+    with pytest.raises(base.SchedulerError, match="slurmrestd GET /job/1 failed"):
+        bad.job("1")
+
+
+# ---------------------------------------------------------------------- no Slurm needed
+def test_registry_builds_the_adapter() -> None:
+    adapter = base.create("slurm", {"url": "http://127.0.0.1:1", "token": "t"})
+    assert isinstance(adapter, SlurmScheduler) and isinstance(adapter, base.Scheduler)
+    assert "slurm" in base.names()
+
+
+@pytest.mark.parametrize(("config", "message"), [
+    ({"url": "slurmrestd:6820"}, "must be an http"),
+    ({"api_version": "0.0.38"}, "must look like v0.0.38"),
+    ({"token": "a", "token_file": "b"}, "one of"),
+    ({"signal_scope": "batch"}, "`full` or `steps`"),
+    ({"timeout_s": 0}, "must be positive"),
+    ({"timeout_s": "soon"}, "must be a number"),
+    ({"urls": "http://x"}, "unknown key"),
+])
+def test_bad_config_is_rejected(config: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SlurmScheduler(config)
+
+
+@pytest.mark.parametrize("run", ["", "abc", "12 34", "12;rm", "-1", "pytorchjob-7"])
+def test_runs_that_are_not_job_ids_are_refused(run: str) -> None:
+    with pytest.raises(base.SchedulerError, match="not a Slurm job id"):
+        SlurmScheduler({}).signal(run, signal.SIGUSR1)
+
+
+def test_node_names_that_could_smuggle_arguments_are_refused() -> None:
+    for node in ("", "n1 State=RESUME", "-h", "n=1"):
+        with pytest.raises(base.SchedulerError, match="not a node name"):
+            SlurmScheduler({}).drain_node(node, "x")
+
+
+def test_token_sources(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "jwt").write_text("SLURM_JWT=from-file\n")
+    assert SlurmScheduler({"token_file": "jwt", "_base_dir": str(tmp_path)}).token() == "from-file"
+    monkeypatch.setenv("MY_JWT", "from-env")
+    assert SlurmScheduler({"token_env": "MY_JWT"}).token() == "from-env"
+    monkeypatch.delenv("SLURM_JWT", raising=False)
+    with pytest.raises(base.SchedulerError, match="no JWT"):
+        SlurmScheduler({"url": "http://127.0.0.1:1"}).token()
+    with pytest.raises(base.SchedulerError, match="cannot read token_file"):
+        SlurmScheduler({"token_file": str(tmp_path / "missing")}).token()
+
+
+def test_unreachable_slurmrestd_is_a_scheduler_error() -> None:
+    from tests.support import free_port
+
+    adapter = SlurmScheduler({"url": f"http://127.0.0.1:{free_port()}", "token": "t",
+                              "timeout_s": 2})
+    with pytest.raises(base.SchedulerError, match="cannot reach slurmrestd"):
+        adapter.cancel("1", "x")
+
+
+def test_missing_cli_is_a_scheduler_error() -> None:
+    adapter = SlurmScheduler({"scontrol": "/nonexistent/scontrol"})
+    with pytest.raises(base.SchedulerError, match="not found"):
+        adapter.restart("1", "x")
