@@ -8,6 +8,11 @@ command -v prometheus >/dev/null 2>&1 || need+=(prometheus)
 command -v promtool >/dev/null 2>&1 || need+=(prometheus)
 command -v prometheus-alertmanager >/dev/null 2>&1 || command -v alertmanager >/dev/null 2>&1 || need+=(prometheus-alertmanager)
 command -v amtool >/dev/null 2>&1 || need+=(prometheus-alertmanager)
+# A real single-node Slurm for the slurm scheduler adapter tests (tests/slurm/cluster.py).
+command -v slurmctld >/dev/null 2>&1 && command -v slurmd >/dev/null 2>&1 || need+=(slurm-wlm)
+command -v slurmrestd >/dev/null 2>&1 || need+=(slurmrestd)
+ls /usr/lib/*/slurm-wlm/auth_jwt.so >/dev/null 2>&1 || need+=(slurm-wlm-jwt-plugin)
+command -v munged >/dev/null 2>&1 || need+=(munge)
 for pkg in ${EXTRA_DEBIAN_PACKAGES:-}; do need+=("$pkg"); done
 if [ ${#need[@]} -eq 0 ]; then
   exit 0

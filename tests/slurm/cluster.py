@@ -17,6 +17,7 @@ cluster's SLURM_CONF in its environment (job steps outlive slurmd under proctrac
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 import shutil
 import signal
@@ -39,7 +40,12 @@ class SlurmUnavailable(RuntimeError):
 
 
 def missing_binaries() -> list[str]:
-    return [b for b in BINARIES if shutil.which(b) is None]
+    """Binaries (and the JWT auth plugin) this fixture needs that are not installed."""
+    missing = [b for b in BINARIES if shutil.which(b) is None]
+    if not glob.glob("/usr/lib/*/slurm-wlm/auth_jwt.so") and not glob.glob(
+            "/usr/lib*/slurm/auth_jwt.so"):
+        missing.append("auth_jwt.so (slurm-wlm-jwt-plugin)")
+    return missing
 
 
 class SlurmCluster:
