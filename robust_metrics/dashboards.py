@@ -301,10 +301,10 @@ TRAINING_OVERVIEW = DashboardSpec(
         Section("Numerics", (
             PanelSpec("Loss", "timeseries", (
                 Target(f"robust_loss{{{RANKS}}}", "rank {{rank}}"),
-                Target(f"quantile by (run) (0.5, avg_over_time(robust_loss{{{RUN}}}[5m]))",
-                       "5 min median {{run}}"),
+                Target(f"avg_over_time(run:robust_loss:mean{{{RUN}}}[5m])", "5 min mean {{run}}"),
             ), "Loss of each rank's last step, with every sample drawn so a one-step spike "
-               "shows; the 5 minute median is the baseline a spike is judged against.",
+               "shows, against the run's 5 minute mean (of finite values: one NaN does not "
+               "blank the baseline).",
                width=8, style=_points),
             PanelSpec("Gradient norm", "timeseries",
                       (Target(f"robust_grad_norm{{{RANKS}}}", "rank {{rank}}"),),
