@@ -74,18 +74,21 @@ class Notifier:
 
     def __init__(self, config: NotifyConfig) -> None:
         self.config = config
+        self._http = httpx.Client(timeout=config.timeout_s)  # reused: no TLS set-up per message
 
     def send(self, payload: Mapping[str, Any], key: str) -> ActionResult:
         body, headers = signed_request(payload, self.config.secret, key)
         try:
-            response = httpx.post(self.config.url, content=body, headers=headers,
-                                  timeout=self.config.timeout_s)
+            response = self._http.post(self.config.url, content=body, headers=headers)
         except httpx.HTTPError as exc:
             return ActionResult(False, f"notify {self.config.url} unreachable: {exc!r}")
         if response.is_success:
             return ActionResult(True, f"notified {self.config.url} (HTTP {response.status_code})")
         return ActionResult(False, f"notify {self.config.url} answered HTTP "
                             f"{response.status_code}: {response.text[:300]}")
+
+    def close(self) -> None:
+        self._http.close()
 
 
 def _call(scheduler: Scheduler, method: str, *args: Any, key: str) -> ActionResult:

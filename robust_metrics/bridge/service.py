@@ -46,6 +46,8 @@ class Bridge:
     def close(self) -> None:
         self.engine.stop()
         self.sidecars.close()
+        if self.actions.notifier is not None:
+            self.actions.notifier.close()
         for scheduler in self.schedulers.values():
             close = getattr(scheduler, "close", None)
             if callable(close):
