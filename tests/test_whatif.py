@@ -151,6 +151,7 @@ def test_missing_columns_are_named(tmp_path):
 
 def test_unknown_optype_is_named():
     df = generate(SyntheticJob(dp=2, pp=2))
+    df["optype"] = df.optype.astype(str)
     df.loc[0, "optype"] = "warp-drive"
     with pytest.raises(TraceError, match="warp-drive"):
         validate(df)

@@ -53,11 +53,15 @@ def read_trace(path: str | Path) -> pd.DataFrame:
         if not files:
             raise TraceError(f"trace folder {path} holds no *.jsonl or *.parquet files")
         frames = [read_trace(f) for f in files]
-        return pd.concat(frames, ignore_index=True)
+        return validate(pd.concat(frames, ignore_index=True), source=str(path))
     suffix = "".join(path.suffixes[-2:]) if path.suffix == ".gz" else path.suffix
     try:
-        if suffix == ".parquet":
-            df = pd.read_parquet(path)
+        if suffix == ".parquet":  # optype as a dictionary: millions of rows share 14 strings
+            import pyarrow.parquet as pq
+
+            table = pq.read_table(path, read_dictionary=["optype"])
+            df = table.to_pandas(self_destruct=True, split_blocks=True)
+            del table
         elif suffix in (".jsonl", ".json", ".jsonl.gz", ".ndjson"):
             df = (pd.read_json(path, lines=True) if suffix.endswith(".gz")
                   else _read_jsonl(path))
@@ -85,13 +89,15 @@ def validate(df: pd.DataFrame, *, source: str = "trace") -> pd.DataFrame:
             row = int(np.flatnonzero(values.isna().to_numpy())[0])
             raise TraceError(f"{source}: column {col} is empty in row {row}")
         if dtype == "str":
-            out[col] = values.astype(str)
+            if not isinstance(values.dtype, pd.CategoricalDtype):
+                values = values.astype(str).astype("category")
+            out[col] = values.cat.rename_categories([str(c) for c in values.cat.categories])
             continue
         try:
             out[col] = pd.to_numeric(values).astype(dtype)
         except (TypeError, ValueError):
             raise TraceError(f"{source}: column {col} must be numeric") from None
-    unknown = sorted(set(out["optype"].unique()) - set(T.OPTYPES))
+    unknown = sorted(set(map(str, out["optype"].unique())) - set(T.OPTYPES))
     if unknown:
         raise TraceError(f"{source}: unknown optype(s) {', '.join(unknown)}; known: "
                          f"{', '.join(T.OPTYPES)}")

@@ -97,17 +97,24 @@ def build_model(df: pd.DataFrame, meta: JobMeta) -> TraceModel:
                         or any(o.optype in T.DP_COMM for o in ops))
     index = graph.index()
 
-    keys = pd.MultiIndex.from_arrays([df.optype, df.seq_id, df.stage])
-    codes, uniques = pd.factorize(keys)
+    # one integer key per (optype, seq_id, stage): hashing ints is far cheaper than tuples
+    type_codes = df.optype.cat.codes.to_numpy().astype(np.int64)
+    type_names = [str(c) for c in df.optype.cat.categories]
+    seq = df.seq_id.to_numpy()
+    stage_col = df.stage.to_numpy()
+    key = (type_codes * (int(seq.max()) + 1) + seq) * pp + stage_col
+    codes, uniques = pd.factorize(key)
+    n_seq = int(seq.max()) + 1
     op_of_unique = np.empty(len(uniques), dtype=np.int64)
-    for k, key in enumerate(uniques):
-        op = index.get((str(key[0]), int(key[1]), int(key[2])))
+    for k, u in enumerate(uniques.tolist()):
+        name_key = (type_names[u // pp // n_seq], u // pp % n_seq, u % pp)
+        op = index.get(name_key)
         if op is None:
-            name = f"{key[0]}_{key[1]}_{key[2]}"
-            row = df.iloc[int(np.flatnonzero(codes == k)[0])]
-            raise GraphError(f"op {name} (dp_rank {row.dp_rank}, step {row.step}) is not in the "
-                             f"graph built from dp_rank 0, step {steps[0]}: every DP rank and "
-                             "step must run the same ops")
+            row = int(np.argmax(codes == k))
+            raise GraphError(f"op {'_'.join(map(str, name_key))} (dp_rank "
+                             f"{int(df.dp_rank.iat[row])}, step {int(df.step.iat[row])}) is not "
+                             f"in the graph built from dp_rank 0, step {steps[0]}: every DP rank "
+                             "and step must run the same ops")
         op_of_unique[k] = op
     op_idx = op_of_unique[codes]
     dp_idx = df.dp_rank.to_numpy()
@@ -129,7 +136,7 @@ def build_model(df: pd.DataFrame, meta: JobMeta) -> TraceModel:
     start, duration = start.reshape(shape), duration.reshape(shape)
 
     rank_of = np.full((dp, pp), -1, dtype=np.int64)
-    pairs = df[["dp_rank", "stage", "rank"]].drop_duplicates()
+    pairs = df[step_index == 0][["dp_rank", "stage", "rank"]].drop_duplicates()
     if pairs.duplicated(["dp_rank", "stage"]).any():
         bad = pairs[pairs.duplicated(["dp_rank", "stage"], keep=False)].iloc[0]
         raise TraceError(f"dp_rank {bad.dp_rank}, stage {bad.stage} is traced from more than one "

@@ -197,4 +197,6 @@ def _to_frame(job: SyntheticJob, records: list[tuple[int, str, int, np.ndarray, 
         cols["mc"].append(np.full(n, 0 if compute or optype in T.DP_COMM else -1))
         cols["gmc"].append(np.full(n, s if compute else -1))
         cols["mb_id"].append(np.full(n, mb if compute else -1))
-    return pd.DataFrame({c: np.concatenate(v) for c, v in cols.items()})
+    df = pd.DataFrame({c: np.concatenate(v) for c, v in cols.items()})
+    df["optype"] = df["optype"].astype("category")
+    return df
