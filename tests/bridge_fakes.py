@@ -98,8 +98,10 @@ class _SidecarHandler(BaseHTTPRequestHandler):
             fake.stack_requests += 1
             _reply(self, 200, {"node": fake.node, "ranks": [
                 {"run": fake.run, "rank": r, "pid": 1000 + r, "error": None,
-                 "threads": [{"name": "MainThread", "frames": [
-                     {"file": "train.py", "line": 10 + r, "function": "allreduce"}]}]}
+                 "threads": [{"thread_name": "MainThread", "frames": [
+                     {"file": "torch/distributed/distributed_c10d.py", "line": 10,
+                      "function": "save_checkpoint" if r == fake.odd_rank else "all_reduce"},
+                     {"file": "train.py", "line": 20, "function": "main"}]}]}
                 for r in fake.ranks]})
             return
         _reply(self, 404, {"error": "no route"})
@@ -109,8 +111,9 @@ class FakeSidecar(_Server):
     """A node sidecar: checkpoint requests are acknowledged by every rank after a delay."""
 
     def __init__(self, *, node: str, run: str, ranks: list[int], token: str = "side-token",
-                 ack: bool = True, ack_delay_s: float = 0.3) -> None:
+                 ack: bool = True, ack_delay_s: float = 0.3, odd_rank: int | None = None) -> None:
         self.node, self.run, self.ranks, self.token = node, run, ranks, token
+        self.odd_rank = odd_rank  # this rank's stack differs: the hang suspect
         self.ack, self.ack_delay_s = ack, ack_delay_s
         self.lock = threading.Lock()
         self.next_id = 1000

@@ -14,8 +14,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
 import httpx
+import pytest
 
 from robust_metrics.bridge.app import create_app
 from robust_metrics.bridge.config import parse
@@ -224,7 +224,7 @@ def test_checkpoint_then_restart_with_local_scheduler(bridge_client: Any,
                       f"open({str(starts)!r}, 'a').write(f'{{os.getpid()}}\\n')\n"
                       "time.sleep(600)\n")
     with FakeSidecar(node="n1", run="r1", ranks=[0, 1]) as s1, \
-            FakeSidecar(node="n2", run="r1", ranks=[2, 3]) as s2:
+            FakeSidecar(node="n2", run="r1", ranks=[2, 3], odd_rank=3) as s2:
         raw = make_config(
             tmp_path, [{"match": {"alertname": "Straggler"}, "scheduler": "local",
                         "actions": ["dump_stacks",
@@ -244,7 +244,13 @@ def test_checkpoint_then_restart_with_local_scheduler(bridge_client: Any,
             assert row["status"] == "done", row
             steps = row["steps"]
             assert [s["action"] for s in steps] == ["dump_stacks", "checkpoint", "restart"]
-            assert steps[0]["data"]["dumps"] or steps[0]["data"]["analysis"]
+            analysis = steps[0]["data"]["analysis"]
+            if analysis is None:  # stack aggregation (issue #8) not installed: raw dumps
+                assert sorted(d["node"] for d in steps[0]["data"]["dumps"]) == ["n1", "n2"]
+            else:
+                assert [(s["rank"], s["node"]) for s in analysis["suspects"]] == [(3, "n2")]
+                assert ('robust_hang_suspect{node="n2",rank="3",run="r1"} 1.0'
+                        in client.get("/metrics").text)
             assert len(s1.checkpoint_requests) == len(s2.checkpoint_requests) == 1
             assert sorted(steps[1]["data"]["acknowledged"]) == ["n1", "n2"]
             pids = wait_until(lambda: len(p := starts.read_text().split()) == 2 and p, 10)
@@ -282,3 +288,17 @@ def test_checkpoint_timeout_fails_the_chain(bridge_client: Any, tmp_path: Path) 
         assert row["status"] == "failed"
         assert "not acknowledged" in row["steps"][0]["detail"]
         assert len(row["steps"]) == 1 and hook.bodies() == []
+
+
+def test_raw_dumps_kept_when_aggregation_is_missing_or_fails(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from robust_metrics.bridge import actions
+
+    dumps = [{"node": "n1", "ranks": [{"rank": 0, "pid": 1, "threads": [], "error": None}]}]
+    monkeypatch.setitem(sys.modules, "robust_metrics.analysis.stacks", None)
+    assert actions._analyse(dumps) == (None, "stack aggregation not installed; raw dumps stored")
+    broken = type(sys)("broken")
+    broken.analyse = lambda dumps, info: 1 / 0  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "robust_metrics.analysis.stacks", broken)
+    result, how = actions._analyse(dumps)
+    assert result is None and "ZeroDivisionError" in how
