@@ -522,8 +522,8 @@ ACTIONS = DashboardSpec(
     description="What the action bridge did about alerts (checkpoints, stack dumps, restarts, "
                 "drains), when, and with which result.",
     annotations=(_ALERTS, ("Bridge actions", "purple",
-                           f"sum by (run, action, result) (changes(robust_bridge_actions_total"
-                           f"{{{RUN}}}[1m])) > 0")),
+                           f"sum by (run, action, result) "
+                           f"{_increase(f'robust_bridge_actions_total{{{RUN}}}', '1m')} > 0")),
     variables=("run", "node", "rank"),
     sections=(
         Section("Actions", (

@@ -3,8 +3,10 @@
 One stack serves the whole module (about a minute): two real gloo ranks of examples/train_ddp.py in
 multiprocess mode (rank 1 slow, rank 0 with a NaN loss at step 5), the real sidecar serving their
 files with a fake pynvml (two GPUs, one XID 79 event) and the sidecar's sysfs fixture for the NIC
-collector, Prometheus scraping every second with alert_rules/*.yml loaded, and a checkpoint
-request written into the control folder. Then every panel query, annotation and variable query,
+collector, the action bridge in dry-run mode receiving two Alertmanager (v4) webhooks whose
+rule checkpoints, dumps stacks, restarts and drains, Prometheus scraping the sidecar and the
+bridge every second with alert_rules/*.yml loaded, and a checkpoint request written into the
+control folder. Then every panel query, annotation and variable query,
 with the variables substituted as Grafana does, goes through /api/v1/query and must return data.
 Fault-only panels must show the injected fault. Panels whose data needs a part this stack does not
 run are listed in NOT_PROVEN_HERE, by need.
@@ -12,11 +14,13 @@ run are listed in NOT_PROVEN_HERE, by need.
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,8 +28,9 @@ import pytest
 from robust_metrics import dashboards
 from robust_metrics.dashboards import Needs
 from robust_metrics.hooks.control import write_checkpoint_request
+from tests.bridge_fakes import BridgeProcess, alert, webhook, write_config
 from tests.prometheus_fixture import PrometheusServer, wait_for_series
-from tests.support import ROOT, RankJob, SidecarProcess, require_binary
+from tests.support import ROOT, RankJob, SidecarProcess, free_port, require_binary
 
 pytestmark = pytest.mark.integration
 pytest.importorskip("grafana_foundation_sdk")
@@ -35,12 +40,11 @@ NODE = "e2e-node"
 SYSFS = ROOT / "tests" / "fixtures" / "sysfs"
 RATE_INTERVAL = "1m"
 # Needs this stack produces, and needs whose panels show data only with a fault injected here.
-PROVEN = {Needs.TRAINING, Needs.CHECKPOINT, Needs.SIDECAR, Needs.GPU, Needs.NIC}
+PROVEN = {Needs.TRAINING, Needs.CHECKPOINT, Needs.SIDECAR, Needs.GPU, Needs.NIC, Needs.BRIDGE}
 FAULTS = {Needs.NONFINITE, Needs.ALERT, Needs.GPU_FAULT}
-# Panels that need a part this stack does not run: the action bridge having acted (covered by the
-# bridge's own tests, which scrape its /metrics) and a hook that raised inside a training loop.
-NOT_PROVEN_HERE = {Needs.BRIDGE: "the action bridge must have acted on an alert",
-                   Needs.HANG: "the bridge must have aggregated the stacks of a hung run",
+# Panels that need what this stack does not produce: stacks of a hung run aggregated by the
+# bridge (not in dry-run mode), and a hook that raised inside a training loop.
+NOT_PROVEN_HERE = {Needs.HANG: "the bridge must have aggregated the stacks of a hung run",
                    Needs.HOOK_ERROR: "the hook must have caught an exception in training"}
 
 LAUNCHER = """\
@@ -55,6 +59,32 @@ timer.start()
 from robust_metrics.cli import main
 sys.exit(main(sys.argv[1:]))
 """
+
+
+BRIDGE_TOKEN = "dashboards-e2e-token"
+BRIDGE_ACTIONS = ["checkpoint", "dump_stacks", "restart", "drain_node"]
+
+
+def bridge_config(tmp: Path) -> Path:
+    return write_config(tmp / "bridge.yaml", {
+        "database": str(tmp / "bridge.db"), "dry_run": True,
+        "auth": {"bearer_token": BRIDGE_TOKEN},
+        "schedulers": {"hook": {"type": "webhook", "url": "http://127.0.0.1:9/unused"}},
+        "default_scheduler": "hook",
+        "rules": [{"name": "e2e", "match": {"alertname": "NonFiniteLoss"},
+                   "actions": BRIDGE_ACTIONS}]})
+
+
+def notify_bridge(bridge: BridgeProcess, fingerprint: str) -> None:
+    """What Alertmanager posts for the firing NonFiniteLoss alert (webhook payload v4)."""
+    import httpx
+
+    body = webhook(alert("NonFiniteLoss", fingerprint=fingerprint, run=RUN, rank="0", node=NODE,
+                         severity="warning"))
+    response = httpx.post(f"{bridge.url}/api/v1/alerts", content=json.dumps(body), timeout=10,
+                          headers={"Authorization": f"Bearer {BRIDGE_TOKEN}",
+                                   "Content-Type": "application/json"})
+    assert response.status_code == 200 and response.json()["accepted"] == 1, response.text
 
 
 @dataclass
@@ -88,11 +118,14 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         sidecar_args += ["--path.sysfs", str(SYSFS)]
     sidecar = SidecarProcess(metrics_dir, sidecar_args, log_path=tmp / "sidecar.log",
                              launcher=(sys.executable, str(launcher)))
+    bridge = BridgeProcess(bridge_config(tmp), free_port(), BRIDGE_TOKEN, tmp / "bridge.log")
     job = None
-    prom = PrometheusServer(tmp / "prometheus", [f"127.0.0.1:{sidecar.port}"],
+    prom = PrometheusServer(tmp / "prometheus", [f"127.0.0.1:{sidecar.port}",
+                                                 f"127.0.0.1:{bridge.port}"],
                             rule_files=sorted((ROOT / "alert_rules").glob("*.yml")))
     try:
         sidecar.wait_ready(timeout=60)
+        bridge.start()
         prom.start()
         job = RankJob(2, ["--steps", "100000", "--step-sleep", "0.1", "--slow-rank", "1",
                           "--slow-seconds", "0.1", "--nan-rank", "0", "--nan-step", "5"],
@@ -105,6 +138,11 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         fault = wait_for_series(prom, f'robust_nonfinite_loss_steps_total{{run="{RUN}"}} > 0',
                                 timeout=30)
         fault_seen_at = float(fault[0]["value"][0])
+        # two alert instances, so rates over the bridge's counters and histogram are non-zero
+        notify_bridge(bridge, "e2e-1")
+        wait_for_series(prom, f'robust_bridge_actions_total{{run="{RUN}"}}', timeout=30)
+        notify_bridge(bridge, "e2e-2")
+        wait_for_series(prom, f'robust_bridge_actions_total{{run="{RUN}"}} > 1', timeout=30)
         # the rules chain (ETTR, straggler ratio) and 1 min rate windows need some history
         for expr in (f'run:robust_ettr:ratio1h{{run="{RUN}"}}',
                      f'run:robust_straggler_slowdown:ratio5m{{run="{RUN}"}}',
@@ -114,12 +152,14 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         time.sleep(10)
         yield Stack(prom, fault_seen_at)
     except AssertionError as exc:
-        logs = (job.logs() if job else "") + "\n--- sidecar ---\n" + sidecar.output()
+        logs = ((job.logs() if job else "") + "\n--- sidecar ---\n" + sidecar.output()
+                + "\n--- bridge ---\n" + bridge.log())
         raise AssertionError(f"{exc}\n{logs}\n--- prometheus ---\n{prom.logs()}") from None
     finally:
         if job is not None:
             job.kill()
         prom.stop()
+        bridge.stop()
         sidecar.stop()
 
 
@@ -176,11 +216,13 @@ def test_fault_panels_show_the_injected_faults(stack: Stack) -> None:
 def test_alert_annotations_mark_the_fault(stack: Stack) -> None:
     for spec in dashboards.DASHBOARDS:
         for name, _, expr in spec.annotations:
-            if "ALERTS" not in expr:
-                continue  # the bridge-actions annotation: NOT_PROVEN_HERE[BRIDGE]
             result = stack.query(dashboards.expand(expr, values()))
-            names = {s["metric"]["alertname"] for s in result}
-            assert "NonFiniteLoss" in names, (spec.uid, name, names)
+            if "ALERTS" in expr:
+                names = {s["metric"]["alertname"] for s in result}
+                assert "NonFiniteLoss" in names, (spec.uid, name, names)
+            else:  # the bridge's actions
+                acted = {(s["metric"]["action"], s["metric"]["result"]) for s in result}
+                assert acted == {(a, "dry_run") for a in BRIDGE_ACTIONS}, (spec.uid, name, result)
 
 
 def test_variable_queries_list_the_run_its_nodes_and_ranks(stack: Stack) -> None:
