@@ -89,6 +89,9 @@ class _SidecarHandler(BaseHTTPRequestHandler):
             lines = ["# TYPE robust_checkpoint_request_id gauge"]
             lines += [f'robust_checkpoint_request_id{{run="{fake.run}",rank="{r}"}} {fake.acked}'
                       for r in fake.ranks]
+            lines += ["# TYPE robust_rank_info gauge"]
+            lines += [f'robust_rank_info{{run="{fake.run}",rank="{r}",node="{fake.node}",'
+                      f'pid="{1000 + r}"}} 1' for r in fake.ranks]
             _reply(self, 200, ("\n".join(lines) + "\n").encode(), "text/plain")
             return
         if self.headers.get("Authorization") != f"Bearer {fake.token}":

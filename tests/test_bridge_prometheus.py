@@ -1,0 +1,76 @@
+"""Nodes and checkpoint acknowledgements read from a real Prometheus.
+
+An alert without a `node` label: the bridge asks Prometheus (`robust_rank_info`) where the run's
+ranks are, asks those sidecars for a checkpoint, and waits until Prometheus has scraped every
+rank's `robust_checkpoint_request_id` at or above the request id (`ack_source: prometheus`).
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from robust_metrics.bridge.app import create_app
+from robust_metrics.bridge.config import parse
+from robust_metrics.bridge.service import Bridge
+from tests.bridge_fakes import FakeSidecar, alert, serve_app, webhook
+from tests.support import free_port, require_binary, wait_until
+
+pytestmark = pytest.mark.integration
+TOKEN = "prom-token"
+
+
+def test_checkpoint_with_nodes_and_acks_from_prometheus(tmp_path: Path) -> None:
+    prom_bin = require_binary("prometheus")
+    with FakeSidecar(node="n1", run="r1", ranks=[0, 1], ack_delay_s=1.0) as s1, \
+            FakeSidecar(node="n2", run="r1", ranks=[2, 3], ack_delay_s=1.0) as s2, \
+            FakeSidecar(node="n3", run="other", ranks=[0]) as s3:
+        port = free_port()
+        targets = [u.removeprefix("http://") for u in (s1.url, s2.url, s3.url)]
+        (tmp_path / "prom.yml").write_text(yaml.safe_dump({
+            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+            "scrape_configs": [{"job_name": "sidecars",
+                                "static_configs": [{"targets": targets}]}]}))
+        log = open(tmp_path / "prom.log", "wb")  # noqa: SIM115
+        prom = subprocess.Popen(
+            [prom_bin, f"--config.file={tmp_path / 'prom.yml'}",
+             f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}"],
+            stdout=log, stderr=subprocess.STDOUT)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            wait_until(lambda: httpx.get(f"{url}/api/v1/query", params={
+                "query": "count(robust_rank_info) == 5"}, timeout=2).json()["data"]["result"], 60,
+                message="Prometheus to scrape the sidecars")
+            raw = {"database": str(tmp_path / "b.db"), "auth": {"bearer_token": TOKEN},
+                   "prometheus": {"url": url},
+                   "sidecars": {"urls": {"n1": s1.url, "n2": s2.url, "n3": s3.url},
+                                "token": "side-token", "ack_source": "prometheus",
+                                "ack_poll_s": 0.5},
+                   "rules": [{"match": {"alertname": "Ckpt"},
+                              "actions": [{"type": "checkpoint", "timeout_s": 30}]}]}
+            with serve_app(create_app(Bridge(parse(raw, tmp_path)))) as client:
+                r = client.post("/api/v1/alerts", json=webhook(alert("Ckpt", run="r1")),
+                                headers={"Authorization": f"Bearer {TOKEN}"})
+                assert r.status_code == 200
+                row = wait_until(lambda: (a := client.get(
+                    "/api/v1/actions", headers={"Authorization": f"Bearer {TOKEN}"}).json()[
+                    "actions"]) and a[0]["status"] in ("done", "failed") and a[0], 45,
+                    message="the checkpoint to be acknowledged")
+            step = row["steps"][0]
+            assert row["status"] == "done", step
+            assert step["data"]["nodes"] == ["n1", "n2"]  # n3 serves another run
+            assert sorted(step["data"]["acknowledged"]) == ["n1", "n2"]
+            assert len(s1.checkpoint_requests) == len(s2.checkpoint_requests) == 1
+            assert s3.checkpoint_requests == []
+        finally:
+            prom.terminate()
+            try:
+                prom.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                prom.kill()
+                prom.wait(timeout=10)
+            log.close()
