@@ -207,4 +207,8 @@ class FakeRasServer:
                 conn.sendall(f"ERROR: Unknown command {cmd}\n".encode())
 
     def close(self) -> None:
+        """Stop listening now: shutdown wakes the accept() blocked in the server thread."""
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
         self.sock.close()
+        self._thread.join(timeout=5)

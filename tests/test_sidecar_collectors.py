@@ -12,6 +12,7 @@ from pathlib import Path
 import pynvml
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.metrics_core import GaugeMetricFamily
 
 from robust_metrics import schema
 from robust_metrics.sidecar.collector import ScrapeRegistry, available
@@ -234,7 +235,7 @@ def test_nccl_collector_queries_the_ras_port(with_json: bool) -> None:
     text = (FIXTURES / "ras_status_2.24.txt").read_text()
     json_report = (FIXTURES / "ras_status.json").read_text() if with_json else None
     server = FakeRasServer(text, json_report)
-    collector = NcclRasCollector("n1", f"127.0.0.1:{server.port}", interval=3600)
+    collector = NcclRasCollector("n1", f"127.0.0.1:{server.port}", interval=3600, background=False)
     try:
         collector.refresh()
         registry = registry_of(nccl=collector)
@@ -254,7 +255,7 @@ def test_nccl_collector_queries_the_ras_port(with_json: bool) -> None:
 
 
 def test_nccl_collector_exports_nothing_when_nothing_listens() -> None:
-    collector = NcclRasCollector("n1", f"127.0.0.1:{free_port()}", interval=3600)
+    collector = NcclRasCollector("n1", f"127.0.0.1:{free_port()}", interval=3600, background=False)
     collector.refresh()
     registry = registry_of(nccl=collector)
     names = {s.name for m in registry.collect() for s in m.samples}
@@ -279,3 +280,24 @@ def test_failing_collector_costs_its_series_not_the_scrape() -> None:
 
 def test_every_collector_is_registered_with_a_flag() -> None:
     assert set(available()) == {"ranks", "process", "nvml", "nic", "nccl"}
+
+
+class Constant:
+    def __init__(self, value: float) -> None:
+        self.value = value
+        self.family = GaugeMetricFamily("robust_rank_gpu_info", "h",
+                                        labels=["run", "rank", "node", "gpu", "uuid"])
+        self.family.add_metric(["r", str(int(value)), "n", "0", "u"], 1.0)
+
+    def collect(self) -> list:
+        return [self.family]  # the same object every scrape, like a cached snapshot
+
+
+def test_families_from_two_collectors_merge_without_growing_across_scrapes() -> None:
+    a, b = Constant(1), Constant(2)
+    registry = registry_of(a=a, b=b)
+    for _ in range(3):
+        samples = [s for m in registry.collect() for s in m.samples
+                   if s.name == "robust_rank_gpu_info"]
+        assert len(samples) == 2
+    assert len(a.family.samples) == 1 and len(b.family.samples) == 1

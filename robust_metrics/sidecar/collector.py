@@ -125,8 +125,11 @@ class ScrapeRegistry:
                 known = families.get(family.name)
                 if known is None:
                     families[family.name] = family
-                else:  # two collectors may contribute to one family (rank gpu info, say)
-                    known.samples.extend(family.samples)
+                else:  # two collectors contribute to one family: merge into a new object,
+                    # never into theirs (the ranks collector's families are a shared snapshot)
+                    merged = Metric(known.name, known.documentation, known.type)
+                    merged.samples = [*known.samples, *family.samples]
+                    families[family.name] = merged
         yield from families.values()
         yield duration
         yield success

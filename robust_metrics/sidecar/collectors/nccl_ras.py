@@ -155,12 +155,15 @@ def query_ras(host: str, port: int, timeout: float = 5.0, collective_timeout: in
 
 
 class NcclRasCollector:
-    def __init__(self, node: str, addr: str, interval: float = 30.0) -> None:
+    def __init__(self, node: str, addr: str, interval: float = 30.0, *,
+                 background: bool = True) -> None:
+        """`background=False` leaves querying to explicit `refresh()` calls (tests)."""
         host, _, port = addr.rpartition(":")
         self.node = node
         self.host = host.strip("[]") or "localhost"
         self.port = int(port)
         self.interval = interval
+        self.background = background
         self.seen = False  # has anything ever listened there?
         self.up = False
         self.report: RasReport | None = None
@@ -190,7 +193,7 @@ class NcclRasCollector:
             self._stop.wait(self.interval)
 
     def start(self) -> None:
-        if self._thread is None:
+        if self._thread is None and self.background:
             self._thread = threading.Thread(target=self._loop, name="robust-metrics-nccl-ras",
                                             daemon=True)
             self._thread.start()
