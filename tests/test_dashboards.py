@@ -258,3 +258,18 @@ def test_fault_only_panels_are_declared() -> None:
     assert needs["XID events"] is dashboards.Needs.GPU_FAULT
     assert needs["Active alerts"] is dashboards.Needs.ALERT
     assert needs["Loss"] is dashboards.Needs.TRAINING
+
+
+def test_docs_name_every_dashboard_and_panel() -> None:
+    docs = " ".join((ROOT / "docs" / "dashboards.md").read_text().split())  # unwrap lines
+    for spec in dashboards.DASHBOARDS:
+        assert spec.file in docs and spec.uid in docs, spec.file
+        for panel in spec.panels_flat:
+            assert panel.title in docs, f"docs/dashboards.md does not mention panel {panel.title!r}"
+
+
+def test_provisioning_example_is_a_file_provider() -> None:
+    doc = yaml.safe_load((COMMITTED / "provisioning.yaml").read_text())
+    assert doc["apiVersion"] == 1
+    (provider,) = doc["providers"]
+    assert provider["type"] == "file" and provider["options"]["path"].startswith("/")
