@@ -135,10 +135,9 @@ class KubernetesScheduler:
 
     def restart(self, run: str, reason: str) -> ActionResult:
         job = self._get_job(run)
-        if self.restart_strategy == "suspend":
-            pods = self._restart_by_suspend(run)
-        else:
-            pods = self._delete_pods(run)
+        restart = self._restart_by_suspend if self.restart_strategy == "suspend" else (
+            self._delete_pods)
+        pods = restart(run)
         event = self._event(job, "RobustMetricsRestart",
                             f"{_clean(reason)} (restart: {self.restart_strategy}, "
                             f"{len(pods)} pod(s))")

@@ -1,0 +1,544 @@
+"""The `kubernetes` adapter against a local HTTP server that speaks the Kubernetes API's paths.
+
+No cluster runs in CI, so `FakeKubeAPI` checks what a real API server would: each request's
+method and path against the published REST paths (core/v1 pods, nodes, events; the PyTorchJob and
+JobSet custom resources), its Content-Type against the patch type the resource accepts (custom
+resources take no strategic merge patch), its body against the client's own models, and the
+bearer token. It keeps just enough state (jobs, pods, nodes, events) to check the outcome, and a
+toy controller that removes a job's pods when it is suspended.
+
+The shipped RBAC manifest is validated with the client's models, and checked against the
+requests the adapter made: every request allowed, every verb granted used.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import ssl
+import subprocess
+import threading
+import uuid
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+import pytest
+import yaml
+
+pytest.importorskip("kubernetes", reason="the kubernetes extra is not installed")
+from kubernetes import client as k8s
+
+from robust_metrics.bridge.schedulers import base
+from robust_metrics.bridge.schedulers.kubernetes import (
+    KINDS,
+    REASON_ANNOTATION,
+    KubernetesScheduler,
+)
+from tests.support import ROOT, free_port, require_binary
+
+RBAC = ROOT / "exporters" / "kubernetes" / "rbac.yaml"
+TOKEN = "test-token-" + uuid.uuid4().hex[:8]
+NS = "training"
+CUSTOM = re.compile(r"^/apis/(?P<group>[^/]+)/(?P<version>[^/]+)/namespaces/(?P<ns>[^/]+)/"
+                    r"(?P<plural>[^/]+)/(?P<name>[^/]+)$")
+PODS = re.compile(r"^/api/v1/namespaces/(?P<ns>[^/]+)/pods$")
+POD = re.compile(r"^/api/v1/namespaces/(?P<ns>[^/]+)/pods/(?P<name>[^/]+)$")
+NODE = re.compile(r"^/api/v1/nodes/(?P<name>[^/]+)$")
+EVENTS = re.compile(r"^/api/v1/namespaces/(?P<ns>[^/]+)/events$")
+MERGE = "application/merge-patch+json"
+STRATEGIC = "application/strategic-merge-patch+json"
+
+
+class FakeKubeAPI:
+    """A threaded HTTP server answering the handful of API paths the adapter may use."""
+
+    def __init__(self, tls: tuple[Path, Path] | None = None) -> None:
+        self.requests: list[dict[str, Any]] = []
+        self.violations: list[str] = []
+        self.jobs: dict[tuple[str, str, str], dict[str, Any]] = {}
+        self.pods: dict[tuple[str, str], dict[str, str]] = {}
+        self.nodes: dict[str, dict[str, Any]] = {}
+        self.events: list[dict[str, Any]] = []
+        self.forbid: set[str] = set()  # "create events" etc.: answered 403 as RBAC would
+        self.controller = True  # remove a job's pods while it is suspended
+        self.lock = threading.Lock()
+        api = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                api._handle(self, "GET")
+
+            def do_POST(self) -> None:
+                api._handle(self, "POST")
+
+            def do_PATCH(self) -> None:
+                api._handle(self, "PATCH")
+
+            def do_DELETE(self) -> None:
+                api._handle(self, "DELETE")
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
+        scheme = "http"
+        if tls:
+            ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            ctx.load_cert_chain(str(tls[0]), str(tls[1]))
+            self.server.socket = ctx.wrap_socket(self.server.socket, server_side=True)
+            scheme = "https"
+        self.url = f"{scheme}://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(timeout=10)
+
+    # ------------------------------------------------------------------ state
+    def add_job(self, kind: str, name: str, pods: int, ns: str = NS) -> str:
+        k = KINDS[kind]
+        uid = str(uuid.uuid4())
+        spec: dict[str, Any] = {"runPolicy": {"suspend": False}} if kind == "PyTorchJob" else {
+            "suspend": False}
+        self.jobs[(k.plural, ns, name)] = {
+            "apiVersion": f"{k.group}/{k.version}", "kind": kind,
+            "metadata": {"name": name, "namespace": ns, "uid": uid}, "spec": spec}
+        for i in range(pods):
+            self.pods[(ns, f"{name}-worker-{i}")] = {k.pod_label: name}
+        return uid
+
+    def add_node(self, name: str) -> str:
+        uid = str(uuid.uuid4())
+        self.nodes[name] = {"apiVersion": "v1", "kind": "Node",
+                            "metadata": {"name": name, "uid": uid, "annotations": {}},
+                            "spec": {}}
+        return uid
+
+    # ------------------------------------------------------------------ HTTP
+    def _handle(self, h: BaseHTTPRequestHandler, method: str) -> None:
+        parts = urlsplit(h.path)
+        length = int(h.headers.get("Content-Length") or 0)
+        raw = h.rfile.read(length) if length else b""
+        record = {"method": method, "path": parts.path, "query": parse_qs(parts.query),
+                  "content_type": (h.headers.get("Content-Type") or "").split(";")[0],
+                  "body": json.loads(raw) if raw else None}
+        with self.lock:
+            self.requests.append(record)
+            scheme, _, token = (h.headers.get("Authorization") or "").partition(" ")
+            if scheme.lower() != "bearer" or token != TOKEN:  # the scheme is case-insensitive
+                return self._send(h, 401, _status(401, "Unauthorized", "Unauthorized"))
+            try:
+                code, body = self._route(record)
+            except AssertionError as exc:  # a request a real server would reject
+                self.violations.append(f"{method} {h.path}: {exc}")
+                code, body = 400, _status(400, "BadRequest", str(exc))
+        self._send(h, code, body)
+
+    def _send(self, h: BaseHTTPRequestHandler, code: int, body: dict[str, Any]) -> None:
+        data = json.dumps(body).encode()
+        h.send_response(code)
+        h.send_header("Content-Type", "application/json")
+        h.send_header("Content-Length", str(len(data)))
+        h.end_headers()
+        h.wfile.write(data)
+
+    def _route(self, r: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        method, path, body = r["method"], r["path"], r["body"]
+        if m := CUSTOM.match(path):
+            k = next((k for k in KINDS.values() if k.plural == m["plural"]), None)
+            assert k and m["group"] == k.group and m["version"] == k.version, "unknown resource"
+            key = (m["plural"], m["ns"], m["name"])
+            verb = {"GET": "get", "PATCH": "patch", "DELETE": "delete"}.get(method)
+            assert verb, f"{method} is not a verb of a custom object"
+            if f"{verb} {m['plural']}" in self.forbid:
+                return 403, _status(403, "Forbidden", f"cannot {verb} {m['plural']}")
+            if key not in self.jobs:
+                return 404, _status(404, "NotFound", f'{m["plural"]} "{m["name"]}" not found')
+            job = self.jobs[key]
+            if method == "GET":
+                assert body is None, "GET with a body"
+                return 200, job
+            if method == "PATCH":
+                assert r["content_type"] == MERGE, (
+                    f"custom resources accept JSON merge patches, not {r['content_type']}")
+                assert isinstance(body, dict), "a merge patch is a JSON object"
+                _merge(job, body)
+                suspended = job["spec"].get("suspend") if k.kind == "JobSet" else (
+                    job["spec"].get("runPolicy", {}).get("suspend"))
+                if suspended and self.controller:
+                    for pod in [p for p, labels in self.pods.items()
+                                if p[0] == m["ns"] and labels.get(k.pod_label) == m["name"]]:
+                        del self.pods[pod]
+                return 200, job
+            k8s.V1DeleteOptions.from_dict(body or {})
+            del self.jobs[key]
+            return 200, _status(200, "", "deleted", status="Success")
+        if m := PODS.match(path):
+            assert method == "GET", f"{method} on the pod collection"
+            selector = r["query"].get("labelSelector", [""])[0]
+            assert re.fullmatch(r"[\w./-]+=[\w.-]+", selector), f"bad selector {selector!r}"
+            key, value = selector.split("=")
+            items = [{"metadata": {"name": name, "namespace": ns, "labels": labels}}
+                     for (ns, name), labels in sorted(self.pods.items())
+                     if ns == m["ns"] and labels.get(key) == value]
+            return 200, {"apiVersion": "v1", "kind": "PodList", "metadata": {}, "items": items}
+        if m := POD.match(path):
+            assert method == "DELETE", f"{method} on a pod"
+            options = k8s.V1DeleteOptions.from_dict(body or {})
+            assert options.grace_period_seconds is not None or "gracePeriodSeconds" in r[
+                "query"], "pods are deleted with an explicit grace period"
+            if (m["ns"], m["name"]) not in self.pods:
+                return 404, _status(404, "NotFound", f'pods "{m["name"]}" not found')
+            del self.pods[(m["ns"], m["name"])]
+            return 200, {"apiVersion": "v1", "kind": "Pod",
+                         "metadata": {"name": m["name"], "namespace": m["ns"]}}
+        if m := NODE.match(path):
+            assert method == "PATCH", f"{method} on a node"
+            assert r["content_type"] in (STRATEGIC, MERGE), f"patch type {r['content_type']}"
+            assert isinstance(body, dict), "a strategic merge patch is a JSON object"
+            if m["name"] not in self.nodes:
+                return 404, _status(404, "NotFound", f'nodes "{m["name"]}" not found')
+            _merge(self.nodes[m["name"]], body)
+            return 200, self.nodes[m["name"]]
+        if m := EVENTS.match(path):
+            assert method == "POST", f"{method} on events"
+            if "create events" in self.forbid:
+                return 403, _status(403, "Forbidden", "cannot create events")
+            event = k8s.CoreV1Event.from_dict(body)
+            meta = body.get("metadata", {})
+            assert meta.get("namespace") in (None, m["ns"]), "event namespace differs from URL"
+            assert event.involved_object.uid, "events need the involved object's uid"
+            assert body.get("type") in ("Normal", "Warning"), "event type"
+            assert event.reason and event.message, "event reason and message"
+            obj = dict(body)
+            obj["metadata"] = {**meta, "name": meta.get("generateName", "") + uuid.uuid4().hex[:5],
+                               "namespace": m["ns"]}
+            self.events.append(obj)
+            return 201, obj
+        raise AssertionError("not a path the adapter should use")
+
+
+def _status(code: int, reason: str, message: str, status: str = "Failure") -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Status", "status": status, "message": message,
+            "reason": reason, "code": code}
+
+
+def _merge(target: dict[str, Any], patch: dict[str, Any]) -> None:
+    """RFC 7386 JSON merge patch (for these bodies, strategic merge does the same)."""
+    for key, value in patch.items():
+        if value is None:
+            target.pop(key, None)
+        elif isinstance(value, dict) and isinstance(target.get(key), dict):
+            _merge(target[key], value)
+        else:
+            target[key] = value
+
+
+# ---------------------------------------------------------------------- fixtures
+@pytest.fixture
+def api() -> Iterator[FakeKubeAPI]:
+    server = FakeKubeAPI()
+    try:
+        yield server
+    finally:
+        server.close()
+    assert not server.violations, server.violations
+
+
+def kubeconfig(tmp_path: Path, url: str, token: str = TOKEN, namespace: str = NS) -> Path:
+    path = tmp_path / "kubeconfig"
+    path.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "test",
+        "clusters": [{"name": "fake", "cluster": {"server": url}}],
+        "users": [{"name": "bridge", "user": {"token": token}}],
+        "contexts": [{"name": "test", "context": {"cluster": "fake", "user": "bridge",
+                                                   "namespace": namespace}}]}))
+    return path
+
+
+def adapter(tmp_path: Path, api: FakeKubeAPI, **config: Any) -> KubernetesScheduler:
+    return KubernetesScheduler({"auth": "kubeconfig", "kubeconfig": str(
+        kubeconfig(tmp_path, api.url)), "timeout_s": 5, "suspend_timeout_s": 5, **config})
+
+
+# ---------------------------------------------------------------------- operations
+def test_restart_pytorchjob_deletes_its_pods_and_records_an_event(tmp_path: Path,
+                                                                   api: FakeKubeAPI) -> None:
+    uid = api.add_job("PyTorchJob", "llama-7b", pods=3)
+    api.add_job("PyTorchJob", "other", pods=1)
+    k = adapter(tmp_path, api)
+    assert k.namespace == NS  # from the kubeconfig context
+    result = k.restart("llama-7b", "robust-metrics bridge: StepHang on run llama-7b [a#0]")
+    assert result.ok
+    assert result.data["pods"] == [f"llama-7b-worker-{i}" for i in range(3)]
+    assert sorted(name for _, name in api.pods) == ["other-worker-0"]
+    [event] = api.events
+    assert event["involvedObject"] == {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob",
+                                       "name": "llama-7b", "namespace": NS, "uid": uid}
+    assert event["reason"] == "RobustMetricsRestart" and event["type"] == "Warning"
+    assert "StepHang on run llama-7b" in event["message"]
+    assert event["metadata"]["namespace"] == NS and result.data["event"] == event["metadata"][
+        "name"]
+    assert [(r["method"], r["path"]) for r in api.requests] == [
+        ("GET", f"/apis/kubeflow.org/v1/namespaces/{NS}/pytorchjobs/llama-7b"),
+        ("GET", f"/api/v1/namespaces/{NS}/pods"),
+        *[("DELETE", f"/api/v1/namespaces/{NS}/pods/llama-7b-worker-{i}") for i in range(3)],
+        ("POST", f"/api/v1/namespaces/{NS}/events")]
+    assert api.requests[1]["query"]["labelSelector"] == ["training.kubeflow.org/job-name=llama-7b"]
+    assert all(r["query"]["gracePeriodSeconds"] == ["30"] for r in api.requests[2:5])
+
+
+@pytest.mark.parametrize(("kind", "path"), [("JobSet", ("spec", "suspend")),
+                                            ("PyTorchJob", ("spec", "runPolicy", "suspend"))])
+def test_restart_by_suspend_toggles_the_flag_after_the_pods_are_gone(
+        tmp_path: Path, api: FakeKubeAPI, kind: str, path: tuple[str, ...]) -> None:
+    api.add_job(kind, "gpt", pods=2)
+    k = adapter(tmp_path, api, kind=kind, restart_strategy="suspend")
+    result = k.restart("gpt", "HangDetected")
+    assert result.ok and result.data["pods"] == ["gpt-worker-0", "gpt-worker-1"]
+    patches = [r for r in api.requests if r["method"] == "PATCH"]
+    assert [r["content_type"] for r in patches] == [MERGE, MERGE]
+    bodies = []
+    for r in patches:
+        value: Any = r["body"]
+        for part in path:
+            value = value[part]
+        bodies.append(value)
+    assert bodies == [True, False]
+    plural = KINDS[kind].plural
+    job = api.jobs[(plural, NS, "gpt")]
+    assert (job["spec"]["suspend"] if kind == "JobSet" else job["spec"]["runPolicy"][
+        "suspend"]) is False
+    # the pods were listed again (gone) between suspending and resuming
+    methods = [(r["method"], r["path"].rsplit("/", 1)[-1]) for r in api.requests]
+    assert methods.index(("PATCH", "gpt")) < methods.index(("GET", "pods"), 2) < len(
+        methods) - 1 - methods[::-1].index(("PATCH", "gpt"))
+    assert api.events[0]["involvedObject"]["kind"] == kind
+
+
+def test_suspend_that_does_not_stop_the_pods_resumes_and_fails(tmp_path: Path,
+                                                               api: FakeKubeAPI) -> None:
+    api.add_job("JobSet", "stuck", pods=1)
+    api.controller = False  # no controller acts on the suspend flag
+    k = adapter(tmp_path, api, kind="JobSet", restart_strategy="suspend", suspend_timeout_s=1)
+    with pytest.raises(base.SchedulerError, match="still there 1s after suspending"):
+        k.restart("stuck", "x")
+    assert api.jobs[("jobsets", NS, "stuck")]["spec"]["suspend"] is False
+
+
+def test_drain_node_cordons_it_and_records_the_reason(tmp_path: Path, api: FakeKubeAPI) -> None:
+    uid = api.add_node("gpu-node-7")
+    k = adapter(tmp_path, api)
+    result = k.drain_node("gpu-node-7", "robust-metrics bridge: GpuXidError\n on run x")
+    assert result.ok and result.data["node"] == "gpu-node-7"
+    node = api.nodes["gpu-node-7"]
+    assert node["spec"]["unschedulable"] is True
+    assert node["metadata"]["annotations"][REASON_ANNOTATION] == (
+        "robust-metrics bridge: GpuXidError on run x")
+    patch = api.requests[0]
+    assert (patch["method"], patch["path"], patch["content_type"]) == (
+        "PATCH", "/api/v1/nodes/gpu-node-7", STRATEGIC)
+    [event] = api.events
+    assert event["metadata"]["namespace"] == "default"
+    assert event["involvedObject"] == {"apiVersion": "v1", "kind": "Node", "name": "gpu-node-7",
+                                       "uid": uid}
+    assert event["reason"] == "RobustMetricsCordon"
+
+
+def test_cancel_records_an_event_then_deletes_the_job(tmp_path: Path, api: FakeKubeAPI) -> None:
+    api.add_job("JobSet", "run-3", pods=2)
+    k = adapter(tmp_path, api, kind="JobSet")
+    assert k.cancel("run-3", "LossNaN on run-3").ok
+    assert ("jobsets", NS, "run-3") not in api.jobs
+    assert [r["method"] for r in api.requests] == ["GET", "POST", "DELETE"]
+    assert api.requests[2]["body"] == {"propagationPolicy": "Background"}
+    assert api.events[0]["involvedObject"]["apiVersion"] == "jobset.x-k8s.io/v1alpha2"
+
+
+def test_an_event_that_cannot_be_written_does_not_fail_the_action(tmp_path: Path,
+                                                                  api: FakeKubeAPI) -> None:
+    api.add_job("PyTorchJob", "j", pods=1)
+    api.forbid.add("create events")
+    result = adapter(tmp_path, api).restart("j", "x")
+    assert result.ok and not api.pods
+    assert "403" in result.data["event_error"] and "rbac.yaml" in result.data["event_error"]
+
+
+# ---------------------------------------------------------------------- errors
+def test_errors_name_the_object_and_the_cause(tmp_path: Path, api: FakeKubeAPI) -> None:
+    k = adapter(tmp_path, api)
+    with pytest.raises(base.SchedulerError, match=r"get PyTorchJob training/nope failed: 404"):
+        k.restart("nope", "x")
+    api.add_job("PyTorchJob", "nopods", pods=0)
+    with pytest.raises(base.SchedulerError, match="has no pods labelled"):
+        k.restart("nopods", "x")
+    api.forbid.add("delete pytorchjobs")
+    with pytest.raises(base.SchedulerError, match=r"403 .*RBAC"):
+        k.cancel("nopods", "x")
+    with pytest.raises(base.SchedulerError, match="404"):
+        k.drain_node("no-such-node", "x")
+    with pytest.raises(base.SchedulerError, match="no API to signal"):
+        k.signal("nopods", signal.SIGUSR1)
+    sent = len(api.requests)
+    for bad in ("Upper", "a b", "../x", "", "x" * 300):
+        with pytest.raises(base.SchedulerError, match="not a valid object name"):
+            k.restart(bad, "x")
+        with pytest.raises(base.SchedulerError, match="not a valid object name"):
+            k.drain_node(bad, "x")
+    assert len(api.requests) == sent  # refused before any request
+
+
+def test_wrong_token_and_unreachable_server(tmp_path: Path, api: FakeKubeAPI) -> None:
+    wrong = KubernetesScheduler({"auth": "kubeconfig", "kubeconfig": str(
+        kubeconfig(tmp_path, api.url, token="wrong"))})
+    with pytest.raises(base.SchedulerError, match=r"401 .*check the token"):
+        wrong.drain_node("n1", "x")
+    down = KubernetesScheduler({"auth": "kubeconfig", "timeout_s": 2, "kubeconfig": str(
+        kubeconfig(tmp_path, f"http://127.0.0.1:{free_port()}"))})
+    with pytest.raises(base.SchedulerError, match="cannot reach the API server"):
+        down.drain_node("n1", "x")
+
+
+@pytest.mark.parametrize(("config", "message"), [
+    ({"kind": "TFJob"}, "`kind` is one of"),
+    ({"restart_strategy": "evict"}, "`restart_strategy`"),
+    ({"auth": "token"}, "`auth` is auto"),
+    ({"namespace": "Bad_NS"}, "not a valid name"),
+    ({"timeout_s": 0}, "at least"),
+    ({"pod_grace_period_s": "soon"}, "must be a number"),
+    ({"api_version": "kubeflow.org/"}, "api_version"),
+    ({"kubeconfig": "/nonexistent/kubeconfig"}, "not found"),
+    ({"namespaces": "x"}, "unknown key"),
+])
+def test_bad_config_is_rejected(tmp_path: Path, api: FakeKubeAPI, config: dict[str, Any],
+                                message: str) -> None:
+    full = {"auth": "kubeconfig", "kubeconfig": str(kubeconfig(tmp_path, api.url)), **config}
+    with pytest.raises(ValueError, match=message):
+        KubernetesScheduler(full)
+
+
+def test_registry_and_api_version_override(tmp_path: Path, api: FakeKubeAPI) -> None:
+    k = base.create("kubernetes", {"auth": "kubeconfig", "kind": "JobSet",
+                                   "api_version": "jobset.x-k8s.io/v1alpha1",
+                                   "kubeconfig": str(kubeconfig(tmp_path, api.url))})
+    assert isinstance(k, KubernetesScheduler) and isinstance(k, base.Scheduler)
+    assert k.kind.version == "v1alpha1" and KINDS["JobSet"].version == "v1alpha2"
+
+
+@pytest.fixture
+def tls_pair(tmp_path: Path) -> tuple[Path, Path]:
+    openssl = require_binary("openssl")
+    cert, key = tmp_path / "ca.crt", tmp_path / "tls.key"
+    subprocess.run([openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True,
+                   timeout=60)
+    return cert, key
+
+
+def test_in_cluster_auth_uses_the_service_account(tmp_path: Path, tls_pair: tuple[Path, Path],
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    import kubernetes.config.incluster_config as incluster
+
+    server = FakeKubeAPI(tls=tls_pair)
+    try:
+        (tmp_path / "token").write_text(TOKEN)
+        monkeypatch.setattr(incluster, "SERVICE_TOKEN_FILENAME", str(tmp_path / "token"))
+        monkeypatch.setattr(incluster, "SERVICE_CERT_FILENAME", str(tls_pair[0]))
+        monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "127.0.0.1")
+        monkeypatch.setenv("KUBERNETES_SERVICE_PORT", server.url.rsplit(":", 1)[1])
+        uid = server.add_node("n1")
+        k = KubernetesScheduler({"namespace": NS})  # auth: auto, in a pod
+        assert k.drain_node("n1", "x").ok
+        assert server.nodes["n1"]["spec"]["unschedulable"] is True
+        assert server.events[0]["involvedObject"]["uid"] == uid
+        assert not server.violations
+    finally:
+        server.close()
+
+
+# ---------------------------------------------------------------------- manifests
+MODELS = {"ServiceAccount": k8s.V1ServiceAccount, "ClusterRole": k8s.V1ClusterRole,
+          "ClusterRoleBinding": k8s.V1ClusterRoleBinding, "Role": k8s.V1Role,
+          "RoleBinding": k8s.V1RoleBinding}
+
+
+def _manifests() -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all(RBAC.read_text()) if d]
+
+
+def test_rbac_manifest_is_valid_for_the_client_models() -> None:
+    docs = _manifests()
+    assert {d["kind"] for d in docs} == set(MODELS)
+    for doc in docs:
+        model = MODELS[doc["kind"]].from_dict(doc)  # required fields, types
+        # round trip: a misspelt or misplaced field would be dropped and show up here
+        assert k8s.ApiClient().sanitize_for_serialization(model) == doc
+
+
+def _granted(sa: tuple[str, str]) -> list[tuple[str | None, dict[str, Any]]]:
+    """(namespace or None for cluster-wide, rule) for every rule bound to the service account."""
+    docs = _manifests()
+    roles = {(d["kind"], d["metadata"].get("namespace"), d["metadata"]["name"]): d for d in docs
+             if d["kind"] in ("Role", "ClusterRole")}
+    grants = []
+    for b in (d for d in docs if d["kind"] in ("RoleBinding", "ClusterRoleBinding")):
+        if not any(s["kind"] == "ServiceAccount" and (s["namespace"], s["name"]) == sa
+                   for s in b["subjects"]):
+            continue
+        ns = b["metadata"].get("namespace") if b["kind"] == "RoleBinding" else None
+        ref = b["roleRef"]
+        role = roles[(ref["kind"], ns if ref["kind"] == "Role" else None, ref["name"])]
+        grants += [(ns, rule) for rule in role["rules"]]
+    return grants
+
+
+def _attributes(r: dict[str, Any]) -> tuple[str, str, str, str | None]:
+    """(apiGroup, resource, verb, namespace) of a request, as the RBAC authorizer sees it."""
+    parts = r["path"].strip("/").split("/")
+    group, rest = ("", parts[2:]) if parts[0] == "api" else (parts[1], parts[3:])
+    ns = None
+    if rest[0] == "namespaces":
+        ns, rest = rest[1], rest[2:]
+    named = len(rest) > 1
+    verb = {"GET": "get" if named else "list", "POST": "create", "PATCH": "patch",
+            "DELETE": "delete" if named else "deletecollection"}[r["method"]]
+    return group, rest[0], verb, ns
+
+
+def test_rbac_allows_every_request_and_grants_nothing_unused(tmp_path: Path,
+                                                              api: FakeKubeAPI) -> None:
+    for kind in KINDS:
+        api.add_job(kind, f"{kind.lower()}-a", pods=2)
+        api.add_job(kind, f"{kind.lower()}-b", pods=2)
+        api.add_job(kind, f"{kind.lower()}-c", pods=1)
+        for strategy, name in (("delete_pods", "a"), ("suspend", "b")):
+            k = adapter(tmp_path, api, kind=kind, restart_strategy=strategy)
+            assert k.restart(f"{kind.lower()}-{name}", "x").ok
+        assert k.cancel(f"{kind.lower()}-c", "x").ok
+    api.add_node("n1")
+    assert adapter(tmp_path, api).drain_node("n1", "x").ok
+
+    grants = _granted(("robust-metrics", "robust-metrics-bridge"))
+    used: set[tuple[str, str, str]] = set()
+    for r in api.requests:
+        group, resource, verb, ns = _attributes(r)
+        allowed = [
+            (g_ns, rule) for g_ns, rule in grants
+            if group in rule["apiGroups"] and resource in rule["resources"]
+            and verb in rule["verbs"] and (g_ns is None or g_ns == ns)]
+        assert allowed, f"rbac.yaml does not allow {verb} {group}/{resource} in {ns}"
+        used.add((group, resource, verb))
+    granted = {(g, res, v) for _, rule in grants for g in rule["apiGroups"]
+               for res in rule["resources"] for v in rule["verbs"]}
+    assert granted - used == set(), f"granted but never used: {granted - used}"
+    # the Role that holds the job verbs is namespaced to the training namespace
+    assert {ns for ns, rule in grants if "pods" in rule["resources"]} == {NS}
+    # Events may only be written in namespaces, never cluster-wide
+    assert all(ns is not None for ns, rule in grants if "events" in rule["resources"])
