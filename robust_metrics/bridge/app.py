@@ -159,6 +159,10 @@ def create_app(bridge: Bridge, *, start_engine: bool = True) -> Starlette:
     async def not_allowed(request: Request, exc: Exception) -> Response:
         return _error(405, f"method {request.method} not allowed on {request.url.path}")
 
+    async def internal(request: Request, exc: Exception) -> Response:
+        log.error("unhandled error on %s %s: %r", request.method, request.url.path, exc)
+        return _error(503, "internal error; the request can be retried")
+
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         if start_engine:
@@ -176,7 +180,7 @@ def create_app(bridge: Bridge, *, start_engine: bool = True) -> Starlette:
             Route("/healthz", healthz, methods=["GET"]),
             Route("/openapi.json", openapi_json, methods=["GET"]),
         ],
-        exception_handlers={404: not_found, 405: not_allowed},
+        exception_handlers={404: not_found, 405: not_allowed, Exception: internal},
         lifespan=lifespan,
     )
     app.state.bridge = bridge
