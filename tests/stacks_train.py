@@ -5,7 +5,9 @@ optimizer step -> `save_checkpoint` every `--checkpoint-every` steps. At `--stal
 
   --data-stall-rank R   rank R blocks in load_batch -> _read_from_slow_storage (its peers then
                         wait in all_reduce)
-  --ckpt-stall-rank R   rank R blocks in save_checkpoint -> _flush_to_remote_storage
+  --ckpt-stall-rank R   rank R blocks in save_checkpoint -> _flush_to_remote_storage at
+                        --ckpt-stall-step (default: --stall-step; the checkpoint comes after the
+                        step's all_reduce, so use an earlier step to combine it with a data stall)
   --deadlock            every rank enters an all_reduce on one of two process groups, split in
                         half, so all of them wait in the same collective and nobody is elsewhere
 
@@ -69,9 +71,12 @@ def main() -> None:
     p.add_argument("--stall-step", type=int, default=5)
     p.add_argument("--data-stall-rank", type=int, default=-1)
     p.add_argument("--ckpt-stall-rank", type=int, default=-1)
+    p.add_argument("--ckpt-stall-step", type=int, default=-1)
     p.add_argument("--checkpoint-every", type=int, default=5)
     p.add_argument("--deadlock", action="store_true")
     args = p.parse_args()
+    if args.ckpt_stall_step < 0:
+        args.ckpt_stall_step = args.stall_step
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     halves = [dist.new_group(list(range(world))) for _ in range(2)]
@@ -94,8 +99,9 @@ def main() -> None:
         sync_gradients(model)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        if (args.checkpoint_every and step % args.checkpoint_every == 0) or at_stall:
-            save_checkpoint(model, rank, at_stall and rank == args.ckpt_stall_rank)
+        ckpt_stall = step == args.ckpt_stall_step and rank == args.ckpt_stall_rank
+        if (args.checkpoint_every and step % args.checkpoint_every == 0) or ckpt_stall:
+            save_checkpoint(model, rank, ckpt_stall)
         if step % 20 == 0:
             print(f"rank {rank}: step {step}", flush=True)
     if handle is not None:
