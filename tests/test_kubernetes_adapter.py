@@ -542,3 +542,17 @@ def test_rbac_allows_every_request_and_grants_nothing_unused(tmp_path: Path,
     assert {ns for ns, rule in grants if "pods" in rule["resources"]} == {NS}
     # Events may only be written in namespaces, never cluster-wide
     assert all(ns is not None for ns, rule in grants if "events" in rule["resources"])
+
+
+def test_docs_policy_example_is_accepted_by_the_bridge_and_both_adapters(tmp_path: Path) -> None:
+    from robust_metrics.bridge import config as bridge_config
+    from robust_metrics.bridge.schedulers.slurm import SlurmScheduler
+
+    text = (ROOT / "docs" / "schedulers.md").read_text()
+    policy = yaml.safe_load(re.search(r"```yaml\n(.*?)```", text, re.S).group(1))
+    parsed = bridge_config.parse({**policy, "auth": {"bearer_token": "x"}}, tmp_path)
+    slurm, kube = parsed.schedulers["cluster"], parsed.schedulers["k8s"]
+    assert (slurm.type, kube.type) == ("slurm", "kubernetes")
+    assert isinstance(base.create(slurm.type, slurm.options), SlurmScheduler)
+    k = KubernetesScheduler(kube.options, api_client=k8s.ApiClient())
+    assert (k.kind.plural, k.namespace) == ("pytorchjobs", "training")
