@@ -85,13 +85,36 @@ class Snapshot:
     errors: list[str] = field(default_factory=list)
 
 
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    """Fields of /proc/<pid>/stat after the command name (one read, no psutil objects)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return raw[raw.rfind(b")") + 2:].decode().split()
+
+
 def process_alive(pid: int, started: float | None = None) -> bool:
     """True while `pid` runs and is the process that wrote its identity (not a reused pid)."""
+    if os.path.isdir("/proc/self"):  # Linux fast path: state and start time from one read
+        try:
+            fields = _stat_fields(pid)
+        except OSError:
+            return True  # exists but unreadable
+        if fields is None or fields[0] in ("Z", "X"):
+            return False
+        if started is None:
+            return True
+        created = psutil.boot_time() + int(fields[19]) / _CLOCK_TICKS
+        return created <= started + 2.0  # created later: another process with a reused pid
     try:
         proc = psutil.Process(pid)
         if proc.status() == psutil.STATUS_ZOMBIE:
             return False
-        # a process created after the identity was written is another process with the same pid
         return not (started is not None and proc.create_time() > started + 2.0)
     except (psutil.NoSuchProcess, psutil.ZombieProcess):
         return False
