@@ -1,10 +1,12 @@
 """kill -9 of the bridge in the middle of an action, then a restart: nothing lost, nothing doubled.
 
-The bridge runs as a real process (`python -m robust_metrics bridge`). Two cases:
+The bridge runs as a real process (`python -m robust_metrics bridge`). Three cases:
 - a `local` restart interrupted while the old job is still stopping: the new bridge sees the step
   `running`, asks the scheduler whether it completed (it did not), and finishes it: one new job;
 - a `webhook` restart interrupted while the receiver holds the request: the outcome is unknowable,
-  so the step is marked failed and not sent again: the receiver sees exactly one request.
+  so the step is marked failed and not sent again: the receiver sees exactly one request;
+- a checkpoint interrupted while waiting for the ranks' acknowledgement: the wait resumes, the
+  sidecar is not asked again.
 """
 
 from __future__ import annotations
@@ -20,7 +22,14 @@ import httpx
 import pytest
 
 from robust_metrics.bridge.schedulers.local import LocalScheduler
-from tests.bridge_fakes import BridgeProcess, Receiver, alert, webhook, write_config
+from tests.bridge_fakes import (
+    BridgeProcess,
+    FakeSidecar,
+    Receiver,
+    alert,
+    webhook,
+    write_config,
+)
 from tests.support import free_port, wait_until
 
 pytestmark = pytest.mark.integration
@@ -116,5 +125,31 @@ def test_webhook_restart_interrupted_by_kill9_is_not_sent_twice(tmp_path: Path) 
             time.sleep(5)  # longer than the receiver's delay: a re-send would have arrived
             assert len(ops.bodies()) == 1
             assert json.loads(json.dumps(ops.bodies()[0]))["run"] == "job-b"
+        finally:
+            bridge.kill9()
+
+
+def test_checkpoint_wait_resumes_after_kill9_without_asking_again(tmp_path: Path) -> None:
+    with FakeSidecar(node="n1", run="job-c", ranks=[0, 1], ack=False) as side:
+        config = write_config(tmp_path / "bridge.yaml", {
+            "database": "bridge.db", "auth": {"bearer_token": TOKEN},
+            "sidecars": {"urls": {"n1": side.url}, "token": "side-token", "ack_poll_s": 0.2},
+            "rules": [{"match": {"alertname": "Straggler"},
+                       "actions": [{"type": "checkpoint", "timeout_s": 60}]}]})
+        bridge = BridgeProcess(config, free_port(), TOKEN, tmp_path / "bridge.log")
+        try:
+            bridge.start()
+            send(bridge, webhook(alert("Straggler", fingerprint="c1", run="job-c", node="n1")))
+            wait_until(lambda: side.checkpoint_requests, 15, message="the checkpoint request")
+            wait_until(lambda: running_steps(tmp_path / "bridge.db") == [
+                ("checkpoint", "running")], 10, message="the step to wait for the ack")
+            bridge.kill9()
+            bridge.start()
+            side.acknowledge(side.next_id)  # the ranks finish the checkpoint meanwhile
+            rows = wait_until(lambda: (r := bridge.actions(run="job-c")) and r[0]["status"] in (
+                "done", "failed") and r, 30, message=f"the resumed wait\n{bridge.log()}")
+            assert rows[0]["status"] == "done", rows
+            assert len(side.checkpoint_requests) == 1  # not asked a second time
+            assert rows[0]["steps"][0]["data"]["requests"] == {"n1": side.next_id}
         finally:
             bridge.kill9()
