@@ -86,6 +86,7 @@ def test_one_slow_worker_pure_dp_has_the_expected_slowdown():
     assert next(iter(result.by_dp_rank)) == 2
     assert next(iter(result.rank_scores)) == 2
     assert result.mw > 0.9
+    assert result.ms is None  # one stage: "the last stage" would be the whole job
 
 
 def test_one_slow_worker_in_a_pipeline_is_ranked_first():

@@ -71,3 +71,12 @@ def test_console_entry_point_runs_as_a_process():
                            "--no-progress"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["ms"] > 1.0
+
+
+def test_steps_selects_steps(capsys):
+    assert main(["whatif", TRACE, "--json", "--steps", "23-33,1048"]) == 0
+    assert set(json.loads(capsys.readouterr().out)["step_slowdown"]) == {"23", "25", "33", "1048"}
+    assert main(["whatif", TRACE, "--steps", "9-3"]) == 2
+    assert "--steps" in capsys.readouterr().err
+    assert main(["whatif", TRACE, "--steps", "1-2"]) == 2
+    assert "none of the requested steps" in capsys.readouterr().err

@@ -12,6 +12,7 @@ The method is in docs/whatif.md; the trace can come from an imported profile or 
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +27,19 @@ __all__ = ["GraphError", "JobMeta", "MetaError", "TraceError", "TraceModel", "Wh
 
 
 def load_model(trace: str | Path, meta: str | Path | None = None,
-               overrides: dict[str, int | None] | None = None) -> TraceModel:
-    """Read a trace (and optional metadata YAML) into a `TraceModel` ready to simulate."""
+               overrides: dict[str, int | None] | None = None,
+               steps: Collection[int] | None = None) -> TraceModel:
+    """Read a trace (and optional metadata YAML) into a `TraceModel` ready to simulate.
+
+    `steps` keeps only those steps (e.g. to leave out a warm-up step).
+    """
     df = read_trace(trace)
+    if steps is not None:
+        keep = df.step.isin(list(steps))
+        if not keep.any():
+            raise TraceError(f"trace {trace} has none of the requested steps; it has steps "
+                             f"{sorted(set(df.step.tolist()))[:20]}")
+        df = df[keep].reset_index(drop=True)
     inferred = {"dp_size": int(df.dp_rank.max()) + 1, "pp_size": int(df.stage.max()) + 1,
                 "vpp_size": max(1, int(df.mc.max()) + 1)}
     job = load_meta(meta, overrides, inferred=inferred)

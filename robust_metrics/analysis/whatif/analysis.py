@@ -149,9 +149,10 @@ def analyze(model: TraceModel, *, threshold: float = ATTRIBUTION_THRESHOLD,
     worker_mask = worker[:, stages].T[:, :, None]  # (n_ops, dp, 1)
     result.mw_detail = {**base.explain(worker_mask), "ranks": top}
     result.mw = result.mw_detail["rem"]
-    last = (stages == model.meta.pp_size - 1)[:, None, None]
-    result.ms_detail = {**base.explain(last), "stage": model.meta.pp_size - 1}
-    result.ms = result.ms_detail["rem"]
+    if model.meta.pp_size > 1:  # with one stage, "the last stage" is the whole job
+        last = (stages == model.meta.pp_size - 1)[:, None, None]
+        result.ms_detail = {**base.explain(last), "stage": model.meta.pp_size - 1}
+        result.ms = result.ms_detail["rem"]
     return result
 
 

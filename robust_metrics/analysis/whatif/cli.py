@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-__all__ = ["configure", "run"]
+__all__ = ["configure", "parse_steps", "run"]
 
 PROGRESS_MIN_DP = 64
 """Draw a progress bar by default when the trace has at least this many DP ranks."""
@@ -29,6 +29,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     for size in ("dp", "pp", "tp", "dsp", "vpp"):
         parser.add_argument(f"--{size}-size", type=int, default=None, metavar="N",
                             help=f"override {size}_size of the metadata")
+    parser.add_argument("--steps", metavar="SPEC", default=None,
+                        help="analyse only these steps, e.g. '5-20,31' (leave out warm-up)")
     parser.add_argument("--out", metavar="DIR",
                         help="write result.json, heatmap.png and timeline.json here")
     parser.add_argument("--json", action="store_true",
@@ -46,6 +48,24 @@ def configure(parser: argparse.ArgumentParser) -> None:
                           help="always draw a progress bar on stderr")
     progress.add_argument("--no-progress", dest="progress", action="store_false",
                           help="never draw a progress bar")
+
+
+def parse_steps(spec: str) -> set[int]:
+    """'5-8,12' -> {5, 6, 7, 8, 12}; ValueError with the bad part otherwise."""
+    steps: set[int] = set()
+    for part in spec.split(","):
+        part = part.strip()
+        try:
+            if "-" in part:
+                lo, hi = (int(x) for x in part.split("-", 1))
+                if hi < lo:
+                    raise ValueError
+                steps.update(range(lo, hi + 1))
+            else:
+                steps.add(int(part))
+        except ValueError:
+            raise ValueError(f"--steps: {part!r} is not a step or a range like 5-20") from None
+    return steps
 
 
 def _fail(message: str) -> int:
@@ -67,9 +87,13 @@ def run(args: argparse.Namespace) -> int:
     if threshold <= 0:
         return _fail("--threshold must be > 0")
     overrides = {f"{k}_size": getattr(args, f"{k}_size") for k in ("dp", "pp", "tp", "dsp", "vpp")}
+    try:
+        steps = parse_steps(args.steps) if args.steps else None
+    except ValueError as exc:
+        return _fail(str(exc))
     began = time.perf_counter()
     try:
-        model = load_model(args.trace, args.meta, overrides)
+        model = load_model(args.trace, args.meta, overrides, steps)
     except (TraceError, MetaError, GraphError) as exc:
         return _fail(str(exc))
     show = args.progress if args.progress is not None else model.dp >= PROGRESS_MIN_DP

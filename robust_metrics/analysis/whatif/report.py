@@ -61,8 +61,9 @@ def summary(result: WhatIfResult, top: int = 5) -> str:
             f"  by DP rank: {_top(r.by_dp_rank, top, 'dp {k}')}",
             f"  by op type: {_top(r.by_optype, top)}",
             f"  M_W = {r.mw:.3f} (share removed by fixing the top "
-            f"{len((r.mw_detail or {}).get('ranks', []))} rank(s)), M_S = {r.ms:.3f} (share "
-            "removed by fixing the last stage)",
+            f"{len((r.mw_detail or {}).get('ranks', []))} rank(s)), "
+            + (f"M_S = {r.ms:.3f} (share removed by fixing the last stage)" if r.ms is not None
+               else "M_S n/a (one pipeline stage)"),
         ]
     lines.append(f"  suggests: {diagnosis(r)}")
     return "\n".join(lines)
