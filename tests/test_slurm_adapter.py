@@ -11,39 +11,24 @@ from __future__ import annotations
 import re
 import signal
 import sys
-import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from robust_metrics.bridge.schedulers import base
 from robust_metrics.bridge.schedulers.slurm import SlurmScheduler
-from tests.slurm.cluster import SlurmCluster, SlurmUnavailable, missing_binaries
+from tests.slurm.cluster import SlurmCluster, slurm_cluster
 from tests.support import EXAMPLE, ROOT, wait_until
+
+__all__ = ["slurm_cluster"]  # the module fixture, imported for pytest
 
 SBATCH = ROOT / "tests" / "slurm" / "train.sbatch"
 
 
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[SlurmCluster]:
-    missing = missing_binaries()
-    if missing:
-        pytest.skip(f"Slurm not installed ({', '.join(missing)} missing): scripts/"
-                    "install-system-deps.sh installs slurm-wlm slurmrestd slurm-wlm-jwt-plugin munge")
-    with tempfile.TemporaryDirectory(prefix="rm-slurm-") as tmp:
-        c = SlurmCluster(Path(tmp))
-        try:
-            c.start()
-        except SlurmUnavailable as exc:
-            if "root" in str(exc) and "SlurmUser" in str(exc):
-                pytest.skip(str(exc))
-            raise
-        try:
-            yield c
-        finally:
-            c.stop()
+@pytest.fixture
+def cluster(slurm_cluster: SlurmCluster) -> SlurmCluster:
+    return slurm_cluster
 
 
 @pytest.fixture

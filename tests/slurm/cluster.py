@@ -23,12 +23,16 @@ import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
 
 from tests.support import free_port, wait_until
 
-__all__ = ["SlurmCluster", "SlurmUnavailable", "missing_binaries"]
+__all__ = ["SlurmCluster", "SlurmUnavailable", "missing_binaries", "slurm_cluster"]
 
 BINARIES = ("munged", "slurmctld", "slurmd", "slurmrestd", "scontrol", "sbatch", "squeue",
             "scancel")
@@ -267,3 +271,25 @@ def _field(line: str, name: str) -> str:
         if key == name:
             return value
     raise AssertionError(f"no {name}= in {line!r}")
+
+
+@pytest.fixture(scope="module")
+def slurm_cluster() -> Iterator[SlurmCluster]:
+    """One cluster per test module that imports this fixture (about 3 s to start, 1 s to stop).
+
+    Skips only where the packages are missing or the tests do not run as root; a cluster that
+    is installed but does not start is an error, with the daemons' logs.
+    """
+    missing = missing_binaries()
+    if missing:
+        pytest.skip(f"Slurm not installed ({', '.join(missing)} missing): scripts/"
+                    "install-system-deps.sh installs slurm-wlm slurmrestd slurm-wlm-jwt-plugin munge")
+    if os.geteuid() != 0:
+        pytest.skip("the test Slurm runs its daemons as root (SlurmUser=root); run as root")
+    with tempfile.TemporaryDirectory(prefix="rm-slurm-") as tmp:
+        cluster = SlurmCluster(Path(tmp))
+        try:
+            cluster.start()
+            yield cluster
+        finally:
+            cluster.stop()

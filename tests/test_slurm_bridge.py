@@ -1,0 +1,96 @@
+"""The bridge drives a real Slurm: an Alertmanager notification requeues a job and drains a node.
+
+The bridge runs in-process behind its real HTTP app (as in test_bridge_app.py) with a `slurm`
+scheduler pointed at the test cluster's slurmrestd; the alerts are the webhook payloads
+Alertmanager sends. What is checked is Slurm's own view: the job's restart count, the training
+script starting again, and the node's drain state and reason.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from robust_metrics.bridge.app import create_app
+from robust_metrics.bridge.config import parse
+from robust_metrics.bridge.service import Bridge
+from tests.bridge_fakes import alert, serve_app, webhook
+from tests.slurm.cluster import SlurmCluster, slurm_cluster
+from tests.support import EXAMPLE, ROOT, wait_until
+
+__all__ = ["slurm_cluster"]  # the module fixture, imported for pytest
+
+SBATCH = ROOT / "tests" / "slurm" / "train.sbatch"
+TOKEN = "bridge-test-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
+
+
+@pytest.fixture
+def bridge(slurm_cluster: SlurmCluster, tmp_path: Path) -> Iterator[httpx.Client]:
+    (tmp_path / "jwt").write_text(slurm_cluster.token())
+    raw: dict[str, Any] = {
+        "database": str(tmp_path / "bridge.db"), "auth": {"bearer_token": TOKEN},
+        "schedulers": {"cluster": {"type": "slurm", "url": slurm_cluster.rest_url,
+                                   "user": "root", "token_file": "jwt",
+                                   "slurm_conf": str(slurm_cluster.conf)}},
+        "rules": [
+            {"name": "requeue-hung", "match": {"alertname": "StepHang"}, "scheduler": "cluster",
+             "actions": ["restart"]},
+            {"name": "drain-xid", "match": {"alertname": "GpuXidError"}, "scheduler": "cluster",
+             "actions": ["drain_node"]},
+        ]}
+    service = Bridge(parse(raw, tmp_path))  # token_file relative to the policy folder
+    with serve_app(create_app(service)) as client:
+        yield client
+
+
+def _actions(client: httpx.Client) -> list[dict[str, Any]]:
+    r = client.get("/api/v1/actions", headers=AUTH)
+    assert r.status_code == 200, r.text
+    return list(r.json()["actions"])
+
+
+def _settled(client: httpx.Client, rule: str) -> dict[str, Any]:
+    final = {"done", "failed", "skipped", "cancelled"}
+    return wait_until(lambda: next((a for a in _actions(client) if a.get("rule") == rule
+                                    and a["status"] in final), None), 60, interval=0.3,
+                      message=f"the bridge to finish rule {rule}: {_actions(client)}")
+
+
+@pytest.mark.integration
+def test_alerts_requeue_the_job_and_drain_the_node(slurm_cluster: SlurmCluster,
+                                                   bridge: httpx.Client, tmp_path: Path) -> None:
+    c = slurm_cluster
+    log, metrics = tmp_path / "job.log", tmp_path / "metrics"
+    job = c.sbatch(SBATCH, f"--output={log}", env={
+        "RM_PYTHON": sys.executable, "RM_TRAIN": str(EXAMPLE), "RM_CKPT_DIR": str(tmp_path / "ck"),
+        "ROBUST_METRICS_DIR": str(metrics)})
+    try:
+        wait_until(lambda: list((metrics / "ranks").glob("*.json")), 90, interval=0.3,
+                   message=f"job {job} to start training")
+        r = bridge.post("/api/v1/alerts", headers=AUTH, content=json.dumps(
+            webhook(alert("StepHang", fingerprint="hang1", run=job))))
+        assert r.status_code == 200, r.text
+        assert _settled(bridge, "requeue-hung")["status"] == "done", _actions(bridge)
+        wait_until(lambda: "start restart=1" in log.read_text(), 60, interval=0.3,
+                   message=f"the requeued job to start again\n{log.read_text()}")
+        assert c.job_field(job, "Restarts") == "1"
+
+        r = bridge.post("/api/v1/alerts", headers=AUTH, content=json.dumps(
+            webhook(alert("GpuXidError", fingerprint="xid1", run=job, node=c.node))))
+        assert r.status_code == 200, r.text
+        assert _settled(bridge, "drain-xid")["status"] == "done", _actions(bridge)
+        state, reason = c.node_state()
+        assert state in ("draining", "drained")  # the job still runs on it: draining
+        assert reason.startswith(f"robust-metrics bridge: GpuXidError on run {job}")
+        c.cli("scancel", job)
+        wait_until(lambda: c.node_state()[0] == "drained", 30, message="the node to be drained")
+    finally:
+        c.cli("scancel", job, check=False)
+        c.cli("scontrol", "update", f"NodeName={c.node}", "State=RESUME", check=False)
