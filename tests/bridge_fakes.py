@@ -81,7 +81,7 @@ class _SidecarHandler(BaseHTTPRequestHandler):
             fake.checkpoint_requests.append(body)
         if fake.ack:
             threading.Timer(fake.ack_delay_s, fake.acknowledge, args=(request_id,)).start()
-        _reply(self, 200, {"id": request_id})
+        _reply(self, 200, {"request_id": request_id})
 
     def do_GET(self) -> None:
         fake: FakeSidecar = self.server.owner  # type: ignore[attr-defined]

@@ -1,7 +1,7 @@
 """Talking to the node sidecars and to Prometheus: where a run's ranks are, and what they said.
 
 The sidecar (issue #3) offers `POST /control/checkpoint` (bearer token; body `{"at_step": n}`;
-answers `{"id": n}`), `GET /debug/stacks` (`{node, ranks: [{run, rank, pid, threads, error}]}`) and
+answers `{"request_id": n, ...}`), `GET /debug/stacks` (`{node, ranks: [{run, rank, pid, threads, error}]}`) and
 `/metrics`, where each rank's `robust_checkpoint_request_id` acknowledges the newest checkpoint
 request it has handled. Nodes of a run come from the alert (`node`, or `nodes` comma-separated) or
 from Prometheus (`robust_rank_info{run=...}`).
@@ -97,9 +97,9 @@ class SidecarClient:
         body = {} if at_step is None else {"at_step": at_step}
         response = self._call("POST", node, "/control/checkpoint", json=body)
         try:
-            return int(response.json()["id"])
+            return int(response.json()["request_id"])
         except (ValueError, KeyError, TypeError) as exc:
-            raise SidecarError(f"sidecar of node {node}: checkpoint answer without an id: "
+            raise SidecarError(f"sidecar of node {node}: checkpoint answer without a request_id: "
                                f"{response.text[:200]}") from exc
 
     def stacks(self, node: str, timeout_s: float | None = None) -> dict[str, Any]:
