@@ -44,6 +44,7 @@ Usage::
 
 from __future__ import annotations
 
+import gc
 import math
 import re
 from collections import defaultdict
@@ -105,14 +106,21 @@ class _FrameCache:
     """Normalising a frame is the hot path for 16k ranks; most frames repeat across ranks."""
 
     def __init__(self) -> None:
-        self._cache: dict[tuple[str, str], str] = {}
+        self._cache: dict[tuple[Any, Any], str] = {}
+        self._signatures: dict[tuple[str, ...], tuple[str, ...]] = {}
 
-    def __call__(self, function: str, file: str) -> str:
-        key = (function, file)
-        found = self._cache.get(key)
-        if found is None:
-            found = self._cache[key] = normalise_frame(function, file)
-        return found
+    def signature(self, frames: Iterable[Mapping[str, Any]]) -> tuple[str, ...]:
+        """The normalised frames of a thread, one shared tuple per distinct signature."""
+        cache = self._cache
+        out = []
+        for f in frames:
+            key = (f.get("function"), f.get("file"))
+            found = cache.get(key)
+            if found is None:
+                found = cache[key] = normalise_frame(str(key[0] or "?"), str(key[1] or ""))
+            out.append(found)
+        sig = tuple(out)
+        return self._signatures.setdefault(sig, sig)
 
 
 def thread_role(thread: Mapping[str, Any], frames: Iterable[str], pid: int | None = None) -> str:
@@ -197,11 +205,13 @@ class _Rank:
     pid: int | None
     node: str | None
     info: dict[str, Any]
-    # one dict per sample: role -> (sorted thread signatures, exact fingerprint of the role)
-    samples: list[dict[str, tuple[tuple[tuple[str, ...], ...], int]]] = field(
+    # one dict per sample: role -> (sorted thread signatures, the threads' raw frame lists, from
+    # which the exact fingerprint is computed only when a rank has several samples)
+    samples: list[dict[str, tuple[tuple[tuple[str, ...], ...], list[Any]]]] = field(
         default_factory=list)
     idle_main: list[bool] = field(default_factory=list)
     first_frames: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    verdicts: dict[str, tuple[tuple[str, ...], str]] = field(default_factory=dict)
 
     def ident(self) -> int | str:
         return self.rank if self.rank is not None else f"pid:{self.pid}@{self.node or '?'}"
@@ -233,6 +243,19 @@ def analyse(dumps: list[dict[str, Any]],
         raise ValueError(f"hang_fraction={hang_fraction!r}: must be in (0, 1]")
     if not isinstance(dumps, list):
         raise ValueError("dumps must be a list of {pid, threads, error} dicts")
+    # millions of small tuples for a large job: the cyclic GC would rescan them all repeatedly
+    # and there are no cycles to find, so it is paused for the call (as torch's FR loader does)
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _analyse(dumps, rank_info, min_share, hang_fraction, all_threads)
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def _analyse(dumps: list[Any], rank_info: Any, min_share: float, hang_fraction: float,
+             all_threads: bool) -> dict[str, Any]:
     dumps = _flatten_sidecar_answers(dumps)
     info = normalise_rank_info(rank_info)
     by_pid: dict[tuple[str | None, int], int] = {}
@@ -324,35 +347,53 @@ def _rank_of(dump: Mapping[str, Any], info: dict[int, dict],
 
 
 def _add_sample(state: _Rank, dump: Mapping[str, Any], frame: _FrameCache) -> None:
-    by_role: dict[str, list[tuple[str, ...]]] = defaultdict(list)
-    exact: dict[str, list[int]] = defaultdict(list)
+    by_role: dict[str, list[tuple[str, ...]]] = {}
+    raw: dict[str, list[Any]] = {}
     idle_main = True
     for thread in dump["threads"]:
         frames = thread.get("frames") or []
-        sig = tuple(frame(str(f.get("function", "?")), str(f.get("file", ""))) for f in frames)
+        sig = frame.signature(frames)
         role = thread_role(thread, sig, state.pid)
-        by_role[role].append(sig)
-        exact[role].append(hash((sig, tuple(_exact(f) for f in frames))))
+        if role in by_role:
+            by_role[role].append(sig)
+            raw[role].append(frames)
+        else:
+            by_role[role] = [sig]
+            raw[role] = [frames]
         if role == "main":
             idle_main = idle_main and bool(thread.get("idle"))
         if role not in state.first_frames:
             state.first_frames[role] = frames
-    state.samples.append({role: (tuple(sorted(sigs)), hash(tuple(sorted(exact[role]))))
-                          for role, sigs in by_role.items()})
+    state.samples.append({role: (tuple(sorted(sigs)) if len(sigs) > 1 else (sigs[0],),
+                                 raw[role]) for role, sigs in by_role.items()})
     state.idle_main.append(idle_main)
 
 
-def _exact(f: Mapping[str, Any]) -> tuple[Any, Any]:
-    """What changes while a rank makes progress in the same code: the line and the locals."""
-    found = f.get("locals")
-    if isinstance(found, Mapping):
-        return f.get("line"), tuple(sorted((str(k), str(v)) for k, v in found.items()))
-    return f.get("line"), None
+def _fingerprint(threads: list[Any]) -> tuple[Any, ...]:
+    """What changes while a rank makes progress in the same code: lines and locals."""
+    out = []
+    for frames in threads:
+        lines = tuple([f.get("line") for f in frames])
+        found = [f.get("locals") for f in frames]
+        if any(found):
+            out.append((lines, tuple(
+                tuple(sorted((str(k), str(v)) for k, v in loc.items()))
+                if isinstance(loc, dict) else None for loc in found)))
+        else:
+            out.append((lines,))
+    return tuple(sorted(out, key=repr)) if len(out) > 1 else tuple(out)
 
 
 def _role_signature(state: _Rank, role: str) -> tuple[tuple[str, ...], str]:
     """The rank's signature for a role over its samples, and its state: `single` (one sample),
     `stuck` (identical), `busy` (same functions, other lines or locals), `progressing`."""
+    found = state.verdicts.get(role)
+    if found is None:
+        found = state.verdicts[role] = _verdict(state, role)
+    return found
+
+
+def _verdict(state: _Rank, role: str) -> tuple[tuple[str, ...], str]:
     values = [s.get(role) for s in state.samples]
     first = values[0]
     if len(values) == 1 and first is not None:
@@ -361,7 +402,8 @@ def _role_signature(state: _Rank, role: str) -> tuple[tuple[str, ...], str]:
         return (ABSENT,), "progressing"
     if any(v[0] != first[0] for v in values[1:]):
         return (PROGRESSING,), "progressing"
-    if all(v[1] == first[1] for v in values[1:]):
+    exact = _fingerprint(first[1])
+    if all(_fingerprint(v[1]) == exact for v in values[1:]):
         return _flatten(first[0]), "stuck"
     return _flatten(first[0]), "busy"
 
