@@ -292,6 +292,7 @@ def test_restart_pytorchjob_deletes_its_pods_and_records_an_event(tmp_path: Path
         ("POST", f"/api/v1/namespaces/{NS}/events")]
     assert api.requests[1]["query"]["labelSelector"] == ["training.kubeflow.org/job-name=llama-7b"]
     assert all(r["query"]["gracePeriodSeconds"] == ["30"] for r in api.requests[2:5])
+    k.close()
 
 
 @pytest.mark.parametrize(("kind", "path"), [("JobSet", ("spec", "suspend")),

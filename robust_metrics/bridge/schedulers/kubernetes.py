@@ -168,6 +168,10 @@ class KubernetesScheduler:
                 body={"propagationPolicy": "Background"}, _request_timeout=self.timeout_s)))
         return ActionResult(True, f"deleted {k.kind} {self.namespace}/{run}", event)
 
+    def close(self) -> None:
+        """Release the client's connection pool (the bridge calls this at shutdown)."""
+        self.api.close()
+
     # ------------------------------------------------------------------ steps
     def _get_job(self, run: str) -> dict[str, Any]:
         _check_name(run, "run")
