@@ -242,3 +242,19 @@ def test_tls_from_web_config(tmp_path: Path) -> None:
             httpx.get(f"{sidecar.url}/healthz", timeout=2)  # plain HTTP is not served
     finally:
         sidecar.stop()
+
+
+def test_sigterm_stops_the_sidecar_and_releases_the_archive(tmp_path: Path) -> None:
+    sidecar = SidecarProcess(tmp_path / "metrics", ["--no-collector.nvml", "--no-collector.nccl"],
+                             log_path=tmp_path / "log")
+    try:
+        sidecar.wait_ready()
+        sidecar.proc.send_signal(15)
+        code = sidecar.proc.wait(timeout=15)
+        assert code in (0, -15), sidecar.output()  # uvicorn re-raises the signal after shutdown
+        assert "Traceback" not in sidecar.output()
+    finally:
+        sidecar.stop()
+    _, folder, _ = build(make_config(tmp_path))  # make_config's folder is tmp_path/metrics
+    assert folder.owner, "the next sidecar must get the archive lock"
+    folder.close()

@@ -15,6 +15,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import GaugeMetricFamily
 
 from robust_metrics import schema
+from robust_metrics.hooks.sinks import MultiprocessSink
+from robust_metrics.hooks.store import MetricStore
 from robust_metrics.sidecar.collector import ScrapeRegistry, available
 from robust_metrics.sidecar.collectors.nccl_ras import (
     NcclRasCollector,
@@ -23,6 +25,8 @@ from robust_metrics.sidecar.collectors.nccl_ras import (
 )
 from robust_metrics.sidecar.collectors.nic import NicCollector, parse_rate
 from robust_metrics.sidecar.collectors.nvml import NvmlCollector
+from robust_metrics.sidecar.collectors.process import ProcessCollector
+from robust_metrics.sidecar.collectors.ranks import RanksCollector
 from robust_metrics.sidecar.rankdir import RankFolder
 from tests.sidecar_fakes import FakeGpu, FakeNvml, FakeRasServer
 from tests.support import ROOT, free_port, require_binary, wait_until
@@ -53,15 +57,34 @@ def scrape_text(registry: CollectorRegistry) -> str:
                   text)
 
 
-def test_every_name_a_collector_exports_is_declared_in_the_schema() -> None:
+def test_every_name_a_collector_exports_is_declared_in_the_schema(tmp_path: Path) -> None:
+    # this process plays a rank: identity plus files written by the hook's sink
+    store = MetricStore({"run": "r", "rank": "0"})
+    store.series(schema.STEPS_TOTAL).inc()
+    store.series(schema.LAST_STEP_TIMESTAMP).set(time.time())
+    store.series(schema.STEP_DURATION).observe(0.1)
+    sink = MultiprocessSink(str(tmp_path))
+    sink.flush(store)
+    (tmp_path / "ranks").mkdir()
+    (tmp_path / "ranks" / f"{os.getpid()}.json").write_text(json.dumps(
+        {"run": "r", "rank": 0, "pid": os.getpid(), "started": time.time() - 1}))
+    folder = RankFolder(str(tmp_path), cache_seconds=0)
     nvml = two_gpus()
-    registry = registry_of(nic=NicCollector(str(SYSFS), "n1"),
-                           nvml=NvmlCollector("n1", nvml=nvml, xid_events=False))
+    nvml.gpus[0].pids = [os.getpid()]
+    registry = registry_of(ranks=RanksCollector(folder), process=ProcessCollector(folder),
+                           nic=NicCollector(str(SYSFS), "n1"),
+                           nvml=NvmlCollector("n1", folder, nvml=nvml, xid_events=False))
     declared = schema.sample_names()
+    seen = set()
     for metric in registry.collect():
         for s in metric.samples:
             assert s.name in declared, f"{s.name} is not declared in robust_metrics.schema"
             assert set(s.labels) == set(declared[s.name].labels), s.name
+            seen.add(s.name)
+    assert {"robust_rank_process_alive", "robust_rank_step_age_seconds", "robust_steps_total",
+            "robust_rank_gpu_info", "robust_sidecar_corrupt_files_total"} <= seen
+    sink.close(store)
+    folder.close()
 
 
 def test_full_scrape_matches_golden_file() -> None:

@@ -3,8 +3,9 @@
     robust-metrics sidecar --dir /run/robust-metrics --listen 127.0.0.1:9741 \\
         [--token-file FILE] [--web-config FILE] [--collector.NAME | --no-collector.NAME]
 
-Exit status: 0 after a clean shutdown (SIGTERM/SIGINT), 2 for bad configuration (flags, web config,
-token file, folder), 3 when the listen address cannot be bound (port taken, address not local).
+Exit status: SIGTERM/SIGINT shut it down cleanly, then it ends by that signal (as uvicorn does);
+2 for bad configuration (flags, web config, token file, folder); 3 when the listen address cannot
+be bound (port taken, address not local).
 """
 
 from __future__ import annotations
