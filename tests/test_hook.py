@@ -320,3 +320,21 @@ def test_gc_pauses_are_timed(watched: tuple) -> None:  # type: ignore[type-arg]
     handle = start(watched)
     gc.collect()
     assert value(handle, "robust_gc_pause_seconds_count") >= 1
+
+
+def test_files_stay_current_while_the_training_thread_is_blocked(
+        watched: tuple, tmp_path: Path) -> None:  # type: ignore[type-arg]
+    """A rank stuck in a collective still shows the collective it entered (RankHang needs it)."""
+    handle = start(watched, backend="multiprocess", metrics_dir=str(tmp_path), flush_interval=0.05)
+    train(watched[0], watched[1], 1)
+    handle.tracker.launch("all_reduce", "default_pg", 4)  # entered, never completes: a hang
+
+    def entered() -> float | None:
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry, path=str(tmp_path))
+        return registry.get_sample_value("robust_collectives_entered_total",
+                                         {"run": "unit", "rank": "0", "group": "default_pg"})
+
+    from tests.support import wait_until
+
+    assert wait_until(entered, timeout=5, message="entered collective in the files") == 1

@@ -30,7 +30,7 @@ from robust_metrics.hooks.numerics import (
     grad_norm_tensor,
     is_finite,
 )
-from robust_metrics.hooks.sinks import NullSink, Sink, make_sink
+from robust_metrics.hooks.sinks import MultiprocessSink, NullSink, Sink, make_sink
 from robust_metrics.hooks.store import MetricStore
 
 __all__ = ["Watch", "watch"]
@@ -78,7 +78,9 @@ class Watch:
         self._last_step_end: float | None = None
         self._awaiting_forward = True
         self._gc_started = 0.0
-        self._last_flush = 0.0
+        self._flush_lock = threading.Lock()
+        self._flusher: threading.Thread | None = None
+        self._flusher_stop = threading.Event()
         self._phase = "train"
         self.tracker = CollectiveTracker(self._error)
         self.control = ControlChannel(
@@ -88,6 +90,7 @@ class Watch:
         self.sink: Sink = self._open_sink()
         self._install()
         self._flush(force=True)
+        self._start_flusher()
 
     # -- set-up ----------------------------------------------------------------------------
     def _bind_series(self) -> None:
@@ -401,8 +404,12 @@ class Watch:
             with contextlib.suppress(Exception):
                 restore()
         self._reader.poll()
+        self._flusher_stop.set()
+        if self._flusher is not None:
+            self._flusher.join(timeout=5)
         try:
-            self.sink.close(self.store)
+            with self._flush_lock:
+                self.sink.close(self.store)
         except Exception as exc:
             self._error("sink", exc)
         with _active_lock:
@@ -422,14 +429,26 @@ class Watch:
             series.set(1.0 if phase == name else 0.0)
 
     def _flush(self, force: bool = False) -> None:
-        now = time.monotonic()
-        if not force and now - self._last_flush < self.options.flush_interval:
+        """Write the store to the sink: at once when forced or with no flush interval; otherwise
+        the flusher thread writes it every `flush_interval` seconds."""
+        if not force and self._flusher is not None:
             return
-        self._last_flush = now
-        try:
-            self.sink.flush(self.store)
-        except Exception as exc:
-            self._error("flush", exc)
+        with self._flush_lock:
+            try:
+                self.sink.flush(self.store)
+            except Exception as exc:
+                self._error("flush", exc)
+
+    def _flush_loop(self) -> None:
+        """Keep the files current while the training thread is blocked (a hang) or busy."""
+        while not self._flusher_stop.wait(self.options.flush_interval):
+            self._flush(force=True)
+
+    def _start_flusher(self) -> None:
+        if self.options.flush_interval > 0 and isinstance(self.sink, MultiprocessSink):
+            self._flusher = threading.Thread(target=self._flush_loop, daemon=True,
+                                             name="robust-metrics-flush")
+            self._flusher.start()
 
     @_guard("refresh")
     def _guarded_refresh(self) -> None:
@@ -494,7 +513,8 @@ def watch(model: Any = None, optimizer: Any = None, **options: Any) -> Watch:
       grad_norm: compute the gradient norm when clip_grad_norm_ is not called (default True);
       collectives: time torch.distributed collectives and DDP buckets (default True);
       gc_pauses: time Python GC pauses (default True);
-      flush_interval: seconds between writes of the multiprocess files (default 0.25).
+      flush_interval: seconds between writes of the multiprocess files by a background thread,
+        so a hung rank's files stay current (default 0.25; 0 writes at every step end).
       trace_dir, trace_every, trace_steps: record trace_steps steps out of every trace_every
         (0: off) as what-if op traces in trace_dir (robust_metrics.hooks.trace, docs/whatif.md).
 
