@@ -227,6 +227,40 @@ def test_stacks_and_checkpoint_of_a_real_gloo_job(gloo_job: RankJob, metrics_dir
             assert logs.count(f"rank {rank}: checkpoint at step") == 1, logs
 
 
+def test_hung_rank_age_grows_and_stacks_show_where(metrics_dir: Path, tmp_path: Path) -> None:
+    """Rank 1 stops at step 5; rank 0 then waits in all_reduce. Neither can report it; the
+    sidecar's step age grows for both, and the stacks say where each one is."""
+    token = tmp_path / "token"
+    token.write_text(TOKEN)
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    with RankJob(2, ["--steps", "1000", "--hang-rank", "1", "--hang-step", "5"],
+                 env={"ROBUST_METRICS_DIR": str(metrics_dir)}, log_dir=logs, run="hang") as job, \
+            SidecarProcess(metrics_dir, [*QUIET, "--token-file", str(token)],
+                           log_path=tmp_path / "sidecar.log") as sidecar:
+        key0, key1 = (("rank", "0"), ("run", "hang")), (("rank", "1"), ("run", "hang"))
+        wait_until(lambda: "hanging at step 5" in job.logs(), timeout=120,
+                   message=f"rank 1 to hang\n{job.logs()}")
+        first = scrape(sidecar.url)
+        time.sleep(2.0)
+        second = scrape(sidecar.url)
+        for key in (key0, key1):
+            assert second["robust_rank_process_alive"][key] == 1.0
+            grown = (second["robust_rank_step_age_seconds"][key]
+                     - first["robust_rank_step_age_seconds"][key])
+            assert grown >= 1.5, (key, first["robust_rank_step_age_seconds"],
+                                  second["robust_rank_step_age_seconds"])
+        assert second["robust_steps_total"][key1] == 5.0
+        response = httpx.get(f"{sidecar.url}/debug/stacks?rank=1",
+                             headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60)
+        assert response.status_code == 200, response.text
+        (hung,) = response.json()["ranks"]
+        assert hung["rank"] == "1" and hung["pid"] == job.pids[1]
+        main_frames = [f for t in hung["threads"] for f in t["frames"]
+                       if f["file"].endswith("train_ddp.py")]
+        assert any(f["function"] == "main" for f in main_frames), hung
+
+
 @pytest.mark.gpu
 def test_real_nvml_where_a_gpu_exists() -> None:
     from prometheus_client import CollectorRegistry
