@@ -4,7 +4,7 @@
 
 1. Starts `--ranks` real gloo ranks of tests/stacks_train.py (one blocked in data loading, the
    others waiting in all_reduce, as in a hang) and times `dump_stacks` of all of them at once,
-   against dumping one rank alone in the same run (the ratio shows what concurrency buys).
+   against dumping one rank alone and the ranks one after the other in the same run.
 2. Builds `--synthetic` rank dumps shaped like real ones (a 30-frame main thread plus two helper
    threads, nodes of 8 ranks, dp/pp/tp topology, one outlier rank) and times `analyse` on one
    sample and on three, against `json.loads` of the same dumps (the floor any consumer pays).
@@ -54,6 +54,7 @@ def bench_dumps(nranks: int, repeat: int) -> list[tuple[str, str, str]]:
                    message="the stalled rank")
         time.sleep(1.0)
         one, _ = timed(lambda: dump_stacks(job.pids[:1]), repeat)
+        serial, _ = timed(lambda: [dump_stacks([pid]) for pid in job.pids], repeat)
         for locals_ in (False, True):
             all_, result = timed(lambda locals_=locals_: dump_stacks(job.pids, locals_=locals_),
                                  repeat)
@@ -61,7 +62,8 @@ def bench_dumps(nranks: int, repeat: int) -> list[tuple[str, str, str]]:
             assert not errors, errors
             rows.append((f"dump {nranks} real ranks concurrently"
                          + (" with locals" if locals_ else ""),
-                         f"{all_:.3f} s", f"{all_ / one:.1f}x one rank ({one:.3f} s)"))
+                         f"{all_:.3f} s", f"{all_ / one:.1f}x one rank ({one:.3f} s), "
+                         f"{all_ / serial:.2f}x one after the other ({serial:.3f} s)"))
         report = analyse([{**d, "rank": r} for r, d in enumerate(result)])  # type: ignore[arg-type]
         assert report["suspect_ranks"] == [nranks - 1], report["suspect_ranks"]
     return rows

@@ -432,7 +432,7 @@ def _group(analysed: list[_Rank], info: dict[int, dict], min_share: float, hang_
         if not hung:
             notes.append(f"job is progressing: only {len(stuck_main)} of {len(multi)} ranks kept "
                          f"the same main-thread stack over their samples; no suspects named")
-    else:
+    elif analysed:
         notes.append("one sample per rank: the caller asserts the job is hung")
     pp_values = {e["pp_rank"] for e in info.values() if e.get("pp_rank") is not None}
     partition_by_pp = len(pp_values) > 1

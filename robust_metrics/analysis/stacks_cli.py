@@ -31,6 +31,15 @@ EXIT_NOTHING = 3
 _FRAMES_SHOWN = 8
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except empty ones (None, False, [])."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default in (None, False, []):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def _positive(kind: type) -> Any:
     def parse(text: str) -> Any:
         try:
@@ -53,7 +62,7 @@ def _share(text: str) -> float:
 
 def configure(parser: argparse.ArgumentParser) -> None:
     """Flags of `robust-metrics stacks` (docs/stacks.md lists them all)."""
-    parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
+    parser.formatter_class = _HelpFormatter
     parser.add_argument("sidecars", nargs="*", metavar="SIDECAR_URL",
                         help="sidecar base URLs (http://node:9741); /debug/stacks is added")
     where = parser.add_argument_group("where the stacks come from (pick one)")
@@ -251,6 +260,11 @@ def _coords(s: dict[str, Any]) -> str:
 def format_report(report: dict[str, Any]) -> str:
     """The report as text an on-call engineer reads top-down: verdict, suspects, groups, errors."""
     lines: list[str] = []
+    if report["ranks_analysed"] == 0:
+        lines.append(f"run {report.get('run') or '?'}: no rank could be dumped")
+        lines.extend(f"  {e.get('source') or e.get('pid')}: {e['error']}" for e in report["errors"])
+        lines.extend(f"note: {note}" for note in report["notes"])
+        return "\n".join(lines) + "\n"
     hung = report["hung"]
     verdict = {True: "hung", False: "progressing", None: "one sample, hang assumed"}[hung]
     lines.append(f"run {report.get('run') or '?'}: {report['ranks_analysed']} rank(s) analysed, "
