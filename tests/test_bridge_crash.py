@@ -60,6 +60,12 @@ def running_steps(db: Path) -> list[tuple[str, str]]:
         return con.execute("SELECT action, status FROM steps WHERE status='running'").fetchall()
 
 
+def saved_requests(db: Path) -> dict[str, int]:
+    with sqlite3.connect(db) as con:
+        rows = con.execute("SELECT data FROM steps").fetchall()
+    return dict(json.loads(rows[0][0]).get("requests") or {}) if rows else {}
+
+
 def lines(path: Path, word: str) -> list[str]:
     return [ln for ln in path.read_text().splitlines() if ln.startswith(word)] if path.exists() \
         else []
@@ -141,8 +147,9 @@ def test_checkpoint_wait_resumes_after_kill9_without_asking_again(tmp_path: Path
             bridge.start()
             send(bridge, webhook(alert("Straggler", fingerprint="c1", run="job-c", node="n1")))
             wait_until(lambda: side.checkpoint_requests, 15, message="the checkpoint request")
-            wait_until(lambda: running_steps(tmp_path / "bridge.db") == [
-                ("checkpoint", "running")], 10, message="the step to wait for the ack")
+            wait_until(lambda: saved_requests(tmp_path / "bridge.db"), 10,
+                       message="the request id to be saved (the step now waits for the ack)")
+            assert running_steps(tmp_path / "bridge.db") == [("checkpoint", "running")]
             bridge.kill9()
             bridge.start()
             side.acknowledge(side.next_id)  # the ranks finish the checkpoint meanwhile

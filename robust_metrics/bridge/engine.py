@@ -70,10 +70,16 @@ class Engine:
     def _loop(self) -> None:
         while not self.stop_event.is_set():
             try:
-                incident = self.store.claim()
+                claimed = self.store.claim(cooldown_s=self._cooldown)
             except Exception:
                 log.exception("claiming an incident failed")
-                incident = None
+                claimed = None
+            if claimed is not None and claimed[1] is not None:  # skipped: cooldown
+                for spec in claimed[0].plan:
+                    self.metrics.action(claimed[0].run, spec["type"], "skipped", None)
+                log.info("incident %s skipped: %s", claimed[0].key, claimed[0].reason)
+                continue
+            incident = claimed[0] if claimed is not None else None
             if incident is not None:
                 try:
                     self.process(incident)
@@ -90,21 +96,12 @@ class Engine:
                 self._wake.wait(wait)
 
     # ------------------------------------------------------------------ one incident
-    def process(self, incident: Incident) -> None:
-        now = time.time()
-        rule = self._rules.get(incident.rule or "")
-        if incident.started is None:
-            other = self.store.in_cooldown(incident, rule.cooldown_s if rule else 0.0, now)
-            if other is not None:
-                for spec in incident.plan:
-                    self.metrics.action(incident.run, spec["type"], "skipped", None)
-                self.store.finish_incident(
-                    incident.id, "skipped", f"cooldown: run {incident.run} acted on rule "
-                    f"{incident.rule} {now - (other.started or now):.0f}s ago (incident "
-                    f"{other.id}; cooldown {rule.cooldown_s if rule else 0:.0f}s)")
-                return
-            self.store.mark_started(incident.id, now)
+    def _cooldown(self, rule_name: str | None) -> float:
+        rule = self._rules.get(rule_name or "")
+        return rule.cooldown_s if rule else 0.0
 
+    def process(self, incident: Incident) -> None:
+        """Run (or resume) a claimed incident's plan to its end."""
         plan = list(incident.plan)
         steps = self.store.steps(incident.id)
         idx = 0
@@ -115,10 +112,14 @@ class Engine:
                 if not self._finish(incident, plan, last.idx, self._run_step(
                         incident, plan[last.idx], last.idx, last, resumed=True)):
                     return
+                if idx >= len(plan):
+                    return  # _finish closed the incident with its last step
             elif last.status == "failed" and not plan[last.idx].get("continue_on_error"):
                 self.store.finish_incident(incident.id, "failed",
                                            f"step {last.idx} ({last.action}): {last.detail}")
                 return
+        if idx >= len(plan):  # every step had finished before a restart of the bridge
+            self.store.finish_incident(incident.id, "done")
         while idx < len(plan):
             spec = self._apply_budget(incident, plan, idx)
             self.store.start_step(incident.id, idx, "checkpoint" if spec["type"] ==
@@ -127,7 +128,6 @@ class Engine:
                                 self._run_step(incident, spec, idx, None, resumed=False)):
                 return
             idx += 1
-        self.store.finish_incident(incident.id, "done")
 
     def _apply_budget(self, incident: Incident, plan: list[dict[str, Any]],
                       idx: int) -> dict[str, Any]:
@@ -176,12 +176,13 @@ class Engine:
         outcome, seconds = result
         spec = plan[idx]
         action = "checkpoint" if spec["type"] == "checkpoint_skipped" else spec["type"]
-        self.store.finish_step(incident.id, idx, outcome.status, outcome.detail, outcome.data)
+        stops = outcome.status == "failed" and not spec.get("continue_on_error")
+        closing = "failed" if stops else "done" if idx == len(plan) - 1 else None
+        self.store.finish_step(incident.id, idx, outcome.status, outcome.detail, outcome.data,
+                               incident_status=closing,
+                               incident_reason=f"step {idx} ({action}): {outcome.detail}"
+                               if stops else "")
         self.metrics.action(incident.run, action, outcome.status, seconds)
         log.info("incident %s step %d %s: %s (%s)", incident.key, idx, action, outcome.status,
                  outcome.detail)
-        if outcome.status == "failed" and not spec.get("continue_on_error"):
-            self.store.finish_incident(incident.id, "failed",
-                                       f"step {idx} ({action}): {outcome.detail}")
-            return False
-        return True
+        return not stops

@@ -12,6 +12,7 @@ Step statuses: running, success, failed, skipped, dry_run.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import queue
 import sqlite3
@@ -325,9 +326,15 @@ class ActionStore:
                        (now,))
         return notes
 
-    def claim(self, now: float | None = None) -> Incident | None:
+    def claim(self, now: float | None = None,
+              cooldown_s: Callable[[str | None], float] = lambda rule: 0.0,
+              ) -> tuple[Incident, Incident | None] | None:
         """Take the oldest due incident whose run has nothing else running (actions per run are
-        serial: two restarts of one job must not race)."""
+        serial: two restarts of one job must not race), in one transaction with the cooldown check.
+
+        Returns `(incident, None)` to run it, `(incident, other)` when it was skipped because
+        `other`, of the same rule and run, acted within the rule's cooldown; None when idle.
+        """
         now = time.time() if now is None else now
         with self._tx() as db:
             row = db.execute(
@@ -336,31 +343,34 @@ class ActionStore:
                 "ORDER BY not_before, id LIMIT 1", (now,)).fetchone()
             if row is None:
                 return None
-            db.execute("UPDATE incidents SET status='running', updated=? WHERE id=?",
-                       (now, row["id"]))
-        return _incident(row)
+            incident = _incident(row)
+            if incident.started is not None:  # resumed after a restart of the bridge
+                db.execute("UPDATE incidents SET status='running', updated=? WHERE id=?",
+                           (now, incident.id))
+                return incident, None
+            cooldown = cooldown_s(incident.rule)
+            other_row = db.execute(
+                "SELECT * FROM incidents WHERE run=? AND rule=? AND id != ? AND started >= ? "
+                "ORDER BY started DESC LIMIT 1",
+                (incident.run, incident.rule, incident.id, now - cooldown),
+            ).fetchone() if cooldown > 0 else None
+            if other_row is not None:
+                other = _incident(other_row)
+                reason = (f"cooldown: rule {incident.rule} acted on run {incident.run} "
+                          f"{now - (other.started or now):.0f}s ago (incident {other.id}; "
+                          f"cooldown {cooldown:.0f}s)")
+                db.execute("UPDATE incidents SET status='skipped', reason=?, updated=? "
+                           "WHERE id=?", (reason, now, incident.id))
+                return dataclasses.replace(incident, status="skipped", reason=reason), other
+            db.execute("UPDATE incidents SET status='running', started=?, updated=? WHERE id=?",
+                       (now, now, incident.id))
+            return dataclasses.replace(incident, status="running", started=now), None
 
     def next_due(self) -> float | None:
         with self._lock:
             row = self._db.execute(
                 "SELECT MIN(not_before) FROM incidents WHERE status='pending'").fetchone()
         return None if row[0] is None else float(row[0])
-
-    def in_cooldown(self, incident: Incident, cooldown_s: float, now: float) -> Incident | None:
-        """The incident of the same run and rule that acted within `cooldown_s`, if any."""
-        if cooldown_s <= 0:
-            return None
-        with self._lock:
-            row = self._db.execute(
-                "SELECT * FROM incidents WHERE run=? AND rule=? AND id != ? AND started >= ? "
-                "ORDER BY started DESC LIMIT 1",
-                (incident.run, incident.rule, incident.id, now - cooldown_s)).fetchone()
-        return None if row is None else _incident(row)
-
-    def mark_started(self, incident_id: int, now: float) -> None:
-        with self._tx() as db:
-            db.execute("UPDATE incidents SET started=COALESCE(started, ?), updated=? WHERE id=?",
-                       (now, now, incident_id))
 
     def finish_incident(self, incident_id: int, status: str, reason: str = "",
                         now: float | None = None) -> None:
@@ -386,9 +396,14 @@ class ActionStore:
                        (json.dumps(dict(data), default=str), incident_id, idx))
 
     def finish_step(self, incident_id: int, idx: int, status: str, detail: str,
-                    data: Mapping[str, Any] | None = None, now: float | None = None) -> None:
+                    data: Mapping[str, Any] | None = None, now: float | None = None,
+                    incident_status: str | None = None, incident_reason: str = "") -> None:
+        """Record a step's outcome (and, when given, the incident's, in the same commit)."""
         now = time.time() if now is None else now
         with self._tx() as db:
+            if incident_status is not None:
+                db.execute("UPDATE incidents SET status=?, reason=?, updated=? WHERE id=?",
+                           (incident_status, incident_reason, now, incident_id))
             if data is None:
                 db.execute("UPDATE steps SET status=?, detail=?, finished=? "
                            "WHERE incident_id=? AND idx=?", (status, detail, now, incident_id, idx))
