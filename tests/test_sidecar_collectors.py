@@ -6,7 +6,9 @@ import json
 import os
 import re
 import subprocess
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pynvml
@@ -324,3 +326,60 @@ def test_families_from_two_collectors_merge_without_growing_across_scrapes() -> 
                    if s.name == "robust_rank_gpu_info"]
         assert len(samples) == 2
     assert len(a.family.samples) == 1 and len(b.family.samples) == 1
+
+
+class Hanging:
+    """A collector stuck in a call (as NVML can be on a GPU in a bad state) until released."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.calls = 0
+
+    def collect(self) -> list:
+        self.calls += 1
+        self.release.wait(30)
+        return []
+
+
+def test_hung_collector_is_reported_failed_and_never_piles_up() -> None:
+    hanging = Hanging()
+    scrape = ScrapeRegistry({"stuck": hanging, "nic": NicCollector(str(SYSFS), "n1")},
+                            timeout=0.3)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(scrape)  # type: ignore[arg-type]
+    try:
+        for _ in range(3):
+            started = time.monotonic()
+            assert sample(registry, "robust_sidecar_collector_success", collector="stuck") == 0.0
+            assert time.monotonic() - started < 3
+            assert sample(registry, "robust_nic_port_up", node="n1", device="mlx5_0",
+                          port="1") == 1.0
+        assert hanging.calls == 1, "a hung collector must not be started again"
+        hanging.release.set()
+        wait_until(lambda: sample(registry, "robust_sidecar_collector_success",
+                                  collector="stuck") == 1.0, timeout=10, message="recovery")
+    finally:
+        hanging.release.set()
+        scrape.close()
+
+
+class Slow:
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def collect(self) -> list:
+        self.calls += 1
+        time.sleep(0.5)
+        return [GaugeMetricFamily("robust_nvml_up", "h", labels=["node"])]
+
+
+def test_concurrent_scrapes_share_one_run_of_a_collector() -> None:
+    slow = Slow()
+    scrape = ScrapeRegistry({"slow": slow}, timeout=5)
+    try:
+        with ThreadPoolExecutor(max_workers=4) as pool:
+            results = list(pool.map(lambda _: list(scrape.collect()), range(4)))
+        assert all(any(m.name == "robust_nvml_up" for m in r) for r in results)
+        assert slow.calls == 1
+    finally:
+        scrape.close()

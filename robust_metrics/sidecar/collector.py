@@ -14,6 +14,8 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -98,35 +100,66 @@ def enabled_names(args: argparse.Namespace) -> list[str]:
 
 
 class ScrapeRegistry:
-    """Runs the enabled collectors for one scrape; a prometheus_client-compatible collector."""
+    """Runs the enabled collectors for one scrape; a prometheus_client-compatible collector.
 
-    def __init__(self, collectors: dict[str, Collector]) -> None:
+    Collectors run concurrently (NVML calls, sysfs and /proc reads release the GIL) under one
+    deadline, `timeout` seconds: a collector that has not answered by then, such as an NVML call
+    stuck on a GPU in a bad state, is reported as failed for that scrape and the others are
+    served. A collector runs at most once at a time: a scrape that finds it still running (a
+    concurrent scrape, or a hung call) waits for that run instead of starting another, so hung
+    calls never pile up threads and concurrent scrapes share one collection.
+    """
+
+    def __init__(self, collectors: dict[str, Collector], timeout: float = 5.0) -> None:
         self.collectors = dict(collectors)
+        self.timeout = timeout
         self._logged: set[str] = set()
         self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.collectors)),
+                                        thread_name_prefix="robust-metrics-collector")
+        self._inflight: dict[str, tuple[float, Future[tuple[list[Metric], float]]]] = {}
+
+    @staticmethod
+    def _run(collector: Collector) -> tuple[list[Metric], float]:
+        started = time.perf_counter()
+        produced = list(collector.collect())
+        return produced, time.perf_counter() - started
+
+    def _submit(self, name: str) -> tuple[float, Future[tuple[list[Metric], float]]]:
+        with self._lock:
+            running = self._inflight.get(name)
+            if running is None or running[1].done():
+                running = (time.perf_counter(),
+                           self._pool.submit(self._run, self.collectors[name]))
+                self._inflight[name] = running
+            return running
 
     def collect(self) -> Iterator[Metric]:
         duration = GaugeMetricFamily(
             schema.COLLECTOR_DURATION.name, schema.COLLECTOR_DURATION.help, labels=["collector"])
         success = GaugeMetricFamily(
             schema.COLLECTOR_SUCCESS.name, schema.COLLECTOR_SUCCESS.help, labels=["collector"])
+        runs = {name: self._submit(name) for name in self.collectors}
+        deadline = time.monotonic() + self.timeout
         families: dict[str, Metric] = {}
-        for name, collector in self.collectors.items():
-            started = time.perf_counter()
+        for name, (started, future) in runs.items():
             try:
-                produced = list(collector.collect())
+                produced, took = future.result(timeout=max(0.0, deadline - time.monotonic()))
                 ok = True
+            except FutureTimeout:
+                produced, ok, took = [], False, time.perf_counter() - started
+                self._log_once(name, TimeoutError(f"no answer after {took:.1f}s"))
             except Exception as exc:  # a broken collector costs its own series only
-                produced, ok = [], False
+                produced, ok, took = [], False, time.perf_counter() - started
                 self._log_once(name, exc)
-            duration.add_metric([name], time.perf_counter() - started)
+            duration.add_metric([name], took)
             success.add_metric([name], 1.0 if ok else 0.0)
             for family in produced:
                 known = families.get(family.name)
                 if known is None:
                     families[family.name] = family
                 else:  # two collectors contribute to one family: merge into a new object,
-                    # never into theirs (the ranks collector's families are a shared snapshot)
+                    # never into theirs (collectors may hand out shared, cached families)
                     merged = Metric(known.name, known.documentation, known.type)
                     merged.samples = [*known.samples, *family.samples]
                     families[family.name] = merged
@@ -134,11 +167,15 @@ class ScrapeRegistry:
         yield duration
         yield success
 
+    def close(self) -> None:
+        """Stop the worker threads (a hung collector's thread is left to die with the process)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
     def _log_once(self, name: str, exc: Exception) -> None:
         with self._lock:
             first = name not in self._logged
             self._logged.add(name)
         if first:
-            log.exception("collector %s failed (logged once): %s", name, exc)
+            log.error("collector %s failed (logged once): %s", name, exc, exc_info=exc)
         else:
             log.debug("collector %s failed: %s", name, exc)

@@ -56,18 +56,20 @@ class SidecarConfig:
     retention: float = 600.0
     stacks_timeout: float = 10.0
     nvml_retry: float = 60.0
+    collector_timeout: float = 5.0
 
     def validate(self) -> None:
         if not self.directory:
             raise ConfigError("--dir: the ranks' metrics folder (ROBUST_METRICS_DIR) is required")
         if not self.node or any(c in self.node for c in '\n"\\'):
             raise ConfigError(f"--node {self.node!r}: must be a non-empty label value")
-        for name in ("nccl_interval", "merge_after", "retention", "stacks_timeout", "nvml_retry"):
+        for name in ("nccl_interval", "merge_after", "retention", "stacks_timeout", "nvml_retry",
+                     "collector_timeout"):
             value = getattr(self, name)
             if not isinstance(value, int | float) or value < 0:
                 raise ConfigError(f"--{name.replace('_', '-')} {value!r}: must be seconds >= 0")
-        if self.nccl_interval <= 0 or self.stacks_timeout <= 0:
-            raise ConfigError("--nccl-interval and --stacks-timeout must be > 0")
+        if self.nccl_interval <= 0 or self.stacks_timeout <= 0 or self.collector_timeout <= 0:
+            raise ConfigError("--nccl-interval, --stacks-timeout and --collector-timeout must be > 0")
         _, sep, port = self.nccl_ras_addr.rpartition(":")
         if not sep or not port.isdigit():
             raise ConfigError(f"NCCL RAS address {self.nccl_ras_addr!r}: expected HOST:PORT")

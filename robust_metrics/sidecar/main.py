@@ -76,6 +76,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="default py-spy timeout per process for /debug/stacks")
     parser.add_argument("--nvml-retry", type=float, default=60.0,
                         help="seconds between NVML initialisation attempts while it fails")
+    parser.add_argument("--collector-timeout", type=float, default=5.0,
+                        help="seconds a scrape waits for a collector before reporting it failed "
+                             "(keep below Prometheus's scrape_timeout)")
     parser.add_argument("--log-level", default="info",
                         choices=["debug", "info", "warning", "error"])
     add_collector_flags(parser)
@@ -90,7 +93,8 @@ def _config(args: argparse.Namespace) -> SidecarConfig:
         collectors=enabled_names(args), web_config=args.web_config, token_file=args.token_file,
         sysfs=args.sysfs, nccl_ras_addr=args.nccl_ras_addr, nccl_interval=args.nccl_interval,
         merge_after=args.merge_after, retention=args.retention,
-        stacks_timeout=args.stacks_timeout, nvml_retry=args.nvml_retry)
+        stacks_timeout=args.stacks_timeout, nvml_retry=args.nvml_retry,
+        collector_timeout=args.collector_timeout)
     config.validate()
     return config
 
@@ -122,7 +126,10 @@ def build(config: SidecarConfig):
     collectors: dict[str, Collector] = {
         name: infos[name].factory(config, folder) for name in config.collectors}
 
+    registry = ScrapeRegistry(collectors, timeout=config.collector_timeout)
+
     def close() -> None:
+        registry.close()
         for collector in collectors.values():
             closer = getattr(collector, "close", None)
             if closer is not None:
@@ -130,8 +137,7 @@ def build(config: SidecarConfig):
                     closer()
         folder.close()
 
-    app = create_app(config, ScrapeRegistry(collectors), folder, token=token, web=web,
-                     on_close=close)
+    app = create_app(config, registry, folder, token=token, web=web, on_close=close)
     return app, folder, web
 
 
