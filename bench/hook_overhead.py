@@ -69,7 +69,8 @@ def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=0, world_size=1)
     folder = tempfile.mkdtemp(prefix="robust-bench-")
-    print("| backend | clip_grad_norm_ | baseline step | added CPU per step | of a 1 ms step | of a 10 ms step |")
+    print("| backend | clip_grad_norm_ | baseline step | added CPU per step | of a 1 ms step "
+          "| of a 10 ms step |")
     print("|---|---|---|---|---|---|")
     for backend in ("multiprocess", "http"):
         for clip in (True, False):

@@ -1,8 +1,8 @@
 """Talking to the node sidecars and to Prometheus: where a run's ranks are, and what they said.
 
-The sidecar (issue #3) offers `POST /control/checkpoint` (bearer token; body `{"at_step": n}`;
-answers `{"request_id": n, ...}`), `GET /debug/stacks` (`{node, ranks: [{run, rank, pid, threads, error}]}`) and
-`/metrics`, where each rank's `robust_checkpoint_request_id` acknowledges the newest checkpoint
+The sidecar offers `POST /control/checkpoint` (bearer token; body `{"at_step": n}`; answers
+`{"request_id": n, ...}`), `GET /debug/stacks` (`{node, ranks: [{run, rank, pid, threads, error}]}`)
+and `/metrics`, where each rank's `robust_checkpoint_request_id` acknowledges the newest checkpoint
 request it has handled. Nodes of a run come from the alert (`node`, or `nodes` comma-separated) or
 from Prometheus (`robust_rank_info{run=...}`).
 """

@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["ActionResult", "Scheduler", "SchedulerError", "register", "create", "names"]
+__all__ = ["ActionResult", "Scheduler", "SchedulerError", "create", "names", "register"]
 
 
 class SchedulerError(RuntimeError):
