@@ -97,7 +97,8 @@ class SidecarClient:
         body = {} if at_step is None else {"at_step": at_step}
         response = self._call("POST", node, "/control/checkpoint", json=body)
         try:
-            return int(response.json()["request_id"])
+            answer = response.json()
+            return int(answer["request_id"] if "request_id" in answer else answer["id"])
         except (ValueError, KeyError, TypeError) as exc:
             raise SidecarError(f"sidecar of node {node}: checkpoint answer without a request_id: "
                                f"{response.text[:200]}") from exc
