@@ -28,9 +28,9 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from robust_metrics import rules, schema  # noqa: E402
-from tests.prometheus_fixture import PrometheusServer  # noqa: E402
-from tests.support import free_port  # noqa: E402
+from robust_metrics import rules, schema
+from tests.prometheus_fixture import PrometheusServer
+from tests.support import free_port
 
 SLOW_RANK = 7
 RUN = "bench"

@@ -28,6 +28,28 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def free_port_block(n: int) -> int:
+    """A base port such that base..base+n-1 were all free a moment ago (in-process rank
+    endpoints listen on ROBUST_METRICS_PORT + local rank)."""
+    for _ in range(100):
+        base = free_port()
+        if base + n > 65535:
+            continue
+        socks: list[socket.socket] = []
+        try:
+            for port in range(base, base + n):
+                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                socks.append(sock)
+                sock.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+    raise RuntimeError(f"no block of {n} free loopback ports")
+
+
 def wait_until(predicate: Callable[[], T], timeout: float, interval: float = 0.1,
                message: str = "condition") -> T:
     """Poll `predicate` until it returns a truthy value; fail the test after `timeout` seconds."""

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,35 +26,12 @@ import pytest
 
 from robust_metrics import rules
 from tests.prometheus_fixture import PrometheusServer
-from tests.support import RankJob, require_binary, wait_until
+from tests.support import RankJob, free_port_block, require_binary, wait_until
 
 pytestmark = pytest.mark.integration
 WORLD = 4
 TIME_SCALE = 1 / 15  # 1 s intervals here, 15 s in production
 STEP_SLEEP = "0.05"
-
-
-def free_port_block(n: int) -> int:
-    """A base port such that base..base+n-1 were all free a moment ago."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n > 65535:
-            continue
-        try:
-            socks = []
-            for port in range(base, base + n):
-                sock = socket.socket()
-                socks.append(sock)
-                sock.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in socks:
-                sock.close()
-    raise RuntimeError(f"no block of {n} free ports")
 
 
 def write_test_rules(folder: Path) -> Path:
