@@ -81,6 +81,7 @@ def spec(max_body_bytes: int, max_alerts: int) -> dict[str, Any]:
                     "415": _err("content type is not application/json"),
                     "422": _err("JSON is not an Alertmanager v4 payload; the message names "
                                 "the field"),
+                    "503": _err("the alerts could not be recorded; Alertmanager retries"),
                 }}},
             "/api/v1/actions": {"get": {
                 "summary": "Audit trail of alert instances and the steps taken, newest first",
