@@ -6,13 +6,15 @@ checkpoint after a restart. Faults are injected at run time through `faults.json
 folder, so the demo can play a script against a live job:
 
     {"slow_rank": 2, "slow_seconds": 0.2}   rank 2 sleeps in every forward
-    {"nan_rank": 1, "nan_step": 120}         rank 1's loss is NaN at step 120
+    {"nan_rank": 1, "nan_in_steps": 3}       rank 1's loss is NaN 3 steps after it reads this
     {"hang_rank": 3, "hang_step": 200}       rank 3 stops at step 200; its peers wait in all_reduce
+                                             (or "hang_in_steps": 3)
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import time
@@ -48,24 +50,29 @@ class TinyLM(nn.Module):
 
 
 class Faults:
-    """Reads `faults.json` when it changes (one stat per step)."""
+    """Reads `faults.json` when it changes (one stat per step).
+
+    `<name>_in_steps: n` becomes `<name>_step: the step it was read at + n`, so the fault script
+    can aim at a step without knowing exactly where the job is.
+    """
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.mtime = 0
         self.spec: dict[str, Any] = {}
 
-    def poll(self) -> dict[str, Any]:
+    def poll(self, step: int) -> dict[str, Any]:
         try:
             mtime = self.path.stat().st_mtime_ns
         except FileNotFoundError:
             return self.spec
         if mtime != self.mtime:
             self.mtime = mtime
-            try:
-                self.spec = json.loads(self.path.read_text())
-            except ValueError:
-                pass  # half-written; read again next step
+            with contextlib.suppress(ValueError):  # half-written: read again next step
+                spec = json.loads(self.path.read_text())
+                for key in [k for k in spec if k.endswith("_in_steps")]:
+                    spec[key.removesuffix("_in_steps") + "_step"] = step + int(spec.pop(key))
+                self.spec = spec
         return self.spec
 
 
@@ -75,6 +82,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=100000)
     p.add_argument("--step-sleep", type=float, default=0.05, help="seconds of extra work per step")
     p.add_argument("--checkpoint-every", type=int, default=50)
+    p.add_argument("--trace-every", type=int, default=25,
+                   help="record 2 of every N steps for the what-if analysis (0: off)")
     return p.parse_args(argv)
 
 
@@ -103,12 +112,15 @@ def main(argv: list[str] | None = None) -> None:
             os.replace(f"{ckpt}.tmp", ckpt)
 
     handle = robust_metrics.watch(ddp, optimizer, checkpoint=save, start_step=start,
-                                  topology={"dp_rank": rank, "pp_rank": 0, "tp_rank": 0})
+                                  topology={"dp_rank": rank, "pp_rank": 0, "tp_rank": 0},
+                                  trace_dir=str(run_dir / "trace" / f"from-step-{start}"),
+                                  trace_every=args.trace_every,
+                                  trace_steps=2)
     faults = Faults(run_dir / "faults.json")
     generator = torch.Generator().manual_seed(rank)
     with handle:
         for step in range(start, args.steps):
-            spec = faults.poll()
+            spec = faults.poll(step)
             model.slow_seconds = float(spec.get("slow_seconds", 0.0)) if spec.get(
                 "slow_rank") == rank else 0.0
             if spec.get("hang_rank") == rank and step >= int(spec.get("hang_step", 0)):

@@ -1,0 +1,181 @@
+"""The demo's report: a summary table, ETTR, PNG plots from Prometheus, and a Markdown page."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from robust_metrics.demo.scenario import FaultRecord
+from robust_metrics.demo.stack import RUN, DemoStack
+from robust_metrics.tables import render_table
+
+__all__ = ["summary_table", "write_report"]
+
+log = logging.getLogger(__name__)
+
+
+def _clock(ts: float | None) -> str:
+    return "-" if ts is None else datetime.datetime.fromtimestamp(ts).strftime("%H:%M:%S")
+
+
+def summary_table(records: list[FaultRecord]) -> str:
+    rows = [[r.fault.name, f"rank {r.fault.rank}", _clock(r.injected_at), _clock(r.detected_at),
+             "-" if r.latency is None else f"{r.latency:.1f} s",
+             f"{r.fault.alert} rank={r.alert_rank or '-'}", ", ".join(r.actions) or "-",
+             r.result] for r in records]
+    return render_table(["fault", "target", "injected", "detected", "latency", "alert",
+                         "actions", "result"], rows)
+
+
+def _scalar(stack: DemoStack, expr: str) -> float | None:
+    try:
+        result = stack.query(expr)
+        return float(result[0]["value"][1]) if result else None
+    except (OSError, KeyError, ValueError, IndexError):
+        return None
+
+
+def ettr(stack: DemoStack) -> dict[str, float | None]:
+    return {"since_start": _scalar(stack, f'run:robust_ettr:ratio_since_start{{run="{RUN}"}}'),
+            "1h": _scalar(stack, f'run:robust_ettr:ratio1h{{run="{RUN}"}}')}
+
+
+def _series_by_rank(stack: DemoStack, expr: str, start: float, end: float,
+                    step: float) -> dict[int, list[tuple[float, float]]]:
+    out: dict[int, list[tuple[float, float]]] = {}
+    for series in stack.query_range(expr, start, end, step):
+        rank = int(series["metric"].get("rank", "-1"))
+        out[rank] = [(float(t), float(v)) for t, v in series["values"]]
+    return dict(sorted(out.items()))
+
+
+def _plot_heatmap(data: dict[int, list[tuple[float, float]]], start: float, step: float,
+                  path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    ranks = sorted(data)
+    n = int(max((t for pts in data.values() for t, _ in pts), default=start) - start) // int(
+        step) + 1
+    grid = np.full((len(ranks), max(n, 1)), np.nan)
+    for i, rank in enumerate(ranks):
+        for t, v in data[rank]:
+            grid[i, int((t - start) // step)] = 1000 * v
+    fig, ax = plt.subplots(figsize=(10, 2 + 0.4 * len(ranks)))
+    image = ax.imshow(grid, aspect="auto", cmap="magma", interpolation="nearest",
+                      extent=(0, grid.shape[1] * step, len(ranks) - 0.5, -0.5))
+    ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in ranks])
+    ax.set_xlabel("seconds since start")
+    ax.set_title(title)
+    fig.colorbar(image, ax=ax, label="ms")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _plot_lines(data: dict[int, list[tuple[float, float]]], start: float, path: Path, title: str,
+                ylabel: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(10, 3.5))
+    for rank, points in data.items():
+        ax.plot([t - start for t, _ in points], [v for _, v in points], label=f"rank {rank}",
+                linewidth=1)
+    ax.set_xlabel("seconds since start")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(loc="upper right", fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _whatif(trace_dir: Path, out: Path) -> dict[str, Any] | None:
+    """What-if analysis of the sampled op traces the hook recorded during the run."""
+    if not any(trace_dir.glob("*.jsonl")):
+        return None
+    try:
+        from robust_metrics.analysis.whatif import analyze_trace
+        from robust_metrics.analysis.whatif.plots import write_heatmap
+
+        result = analyze_trace(trace_dir)
+        write_heatmap(result, out / "whatif-heatmap.png")
+        return {"slowdown": result.slowdown, "by_dp_rank": result.by_dp_rank,
+                "t_original": result.t_original, "t_ideal": result.t_ideal}
+    except Exception as exc:  # the report still has everything else
+        log.warning("what-if analysis of %s failed: %s", trace_dir, exc)
+        return {"error": str(exc)}
+
+
+def write_report(stack: DemoStack, records: list[FaultRecord], started: float, ended: float,
+                 out: Path, resumed_from: int | None) -> Path:
+    """Write plots, `report.json` and `README.md` into `out`; returns the page's path."""
+    out.mkdir(parents=True, exist_ok=True)
+    step = 2.0
+    window = "10s"
+    sel = f'run="{RUN}"'
+    plots = {
+        "step-time-heatmap.png": (
+            _plot_heatmap, f"rate(robust_step_duration_seconds_sum{{{sel}}}[{window}]) / "
+            f"rate(robust_step_duration_seconds_count{{{sel}}}[{window}])",
+            "Step time per rank"),
+        "compute-time-heatmap.png": (
+            _plot_heatmap, f"rate(robust_step_compute_seconds_sum{{{sel}}}[{window}]) / "
+            f"rate(robust_step_compute_seconds_count{{{sel}}}[{window}])",
+            "Compute time per rank (step time minus time blocked in collectives)"),
+        "loss.png": (_plot_lines, f"robust_loss{{{sel}}}", "Loss"),
+        "grad-norm.png": (_plot_lines, f"robust_grad_norm{{{sel}}}", "Gradient norm"),
+    }
+    written = []
+    for name, (plot, expr, title) in plots.items():
+        try:
+            data = _series_by_rank(stack, expr, started, ended, step)
+            if plot is _plot_heatmap:
+                _plot_heatmap(data, started, step, out / name, title)
+            else:
+                _plot_lines(data, started, out / name, title, title.lower())
+            written.append((name, title))
+        except Exception as exc:
+            log.warning("plot %s failed: %s", name, exc)
+    whatif = _whatif(stack.job_dir / "trace" / "from-step-0", out)  # the first launch
+    ettr_values = ettr(stack)
+    summary = summary_table(records)
+    document = {
+        "faults": [{"fault": r.fault.name, "rank": r.fault.rank, "alert": r.fault.alert,
+                    "alert_rank": r.alert_rank, "injected_at": r.injected_at,
+                    "detected_at": r.detected_at, "latency_s": r.latency, "actions": r.actions,
+                    "result": r.result} for r in records],
+        "ettr": ettr_values, "resumed_from_step": resumed_from, "whatif": whatif,
+        "started": started, "ended": ended,
+    }
+    (out / "report.json").write_text(json.dumps(document, indent=2, default=str))
+    lines = ["# robust-metrics demo report", "",
+             f"Run `{RUN}`, {ended - started:.0f} s, {stack.ranks} gloo ranks.", "",
+             "```", summary, "```", "",
+             f"ETTR since start: {_fmt(ettr_values['since_start'])}; "
+             f"over the last hour: {_fmt(ettr_values['1h'])}.", ""]
+    if resumed_from is not None:
+        lines += [f"After the restart the job resumed from its checkpoint at step {resumed_from}.",
+                  ""]
+    if whatif and "slowdown" in whatif:
+        lines += [f"What-if analysis of the sampled steps: slowdown S = {whatif['slowdown']:.3f} "
+                  f"(mean step {whatif['t_original']:.3f} s, ideal {whatif['t_ideal']:.3f} s). "
+                  "![what-if heatmap](whatif-heatmap.png)", ""]
+    for name, title in written:
+        lines += [f"## {title}", "", f"![{title}]({name})", ""]
+    page = out / "README.md"
+    page.write_text("\n".join(lines))
+    return page
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.1f}%"

@@ -1,0 +1,208 @@
+"""The whole robust-metrics loop on one machine: configs generated into a run folder, services on
+loopback ports, and the training job started through the bridge's own `local` scheduler.
+
+    training ranks ─▶ metrics folder ─▶ sidecar ─▶ Prometheus (shipped rules, time-scaled)
+        ▲                                              │ alerts
+        └── local scheduler ◀── bridge ◀── Alertmanager (shipped routing, by `action`)
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import socket
+import sys
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from robust_metrics import rules
+from robust_metrics.demo.services import Service, find_binary, free_port
+
+__all__ = ["RUN", "DemoStack"]
+
+RUN = "demo"
+SCRAPE_SECONDS = 1
+# The shipped rules are written for 15 s scrape and evaluation intervals; the demo runs at 1 s.
+TIME_SCALE = SCRAPE_SECONDS / 15
+
+
+@dataclass
+class DemoStack:
+    """Ports, configs and processes of one demo run, all under `folder`."""
+
+    folder: Path
+    ranks: int = 4
+    step_sleep: float = 0.05
+    node: str = field(default_factory=socket.gethostname)
+    token: str = field(default_factory=lambda: secrets.token_urlsafe(24))
+    services: list[Service] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.metrics_dir = self.folder / "metrics"
+        self.job_dir = self.folder / "job"
+        self.job_dir.mkdir(exist_ok=True)
+        self.logs = self.folder / "logs"
+        self.logs.mkdir(exist_ok=True)
+        self.ports = {name: free_port() for name in
+                      ("prometheus", "alertmanager", "sidecar", "bridge", "master")}
+        self.url = {name: f"http://127.0.0.1:{port}" for name, port in self.ports.items()}
+        self.token_file = self.folder / "token"
+        self.token_file.write_text(self.token)
+        self.token_file.chmod(0o600)
+
+    # -- configuration ---------------------------------------------------------------------
+    def write_configs(self) -> None:
+        groups = rules.load_groups(time_scale=TIME_SCALE)
+        (self.folder / "rules.yml").write_text(rules.render(groups))
+        (self.folder / "prometheus.yml").write_text(yaml.safe_dump({
+            "global": {"scrape_interval": f"{SCRAPE_SECONDS}s",
+                       "evaluation_interval": f"{SCRAPE_SECONDS}s",
+                       "scrape_timeout": f"{SCRAPE_SECONDS}s"},
+            "rule_files": [str(self.folder / "rules.yml")],
+            "alerting": {"alertmanagers": [{"static_configs": [
+                {"targets": [f"127.0.0.1:{self.ports['alertmanager']}"]}]}]},
+            "scrape_configs": [
+                {"job_name": "robust-metrics-sidecar",
+                 "static_configs": [{"targets": [f"127.0.0.1:{self.ports['sidecar']}"],
+                                     "labels": {"node": self.node}}]},
+                {"job_name": "robust-metrics-bridge",
+                 "static_configs": [{"targets": [f"127.0.0.1:{self.ports['bridge']}"]}]},
+            ],
+        }, sort_keys=False))
+        (self.folder / "alertmanager.yml").write_text(yaml.safe_dump(self._alertmanager_config(),
+                                                                     sort_keys=False))
+        (self.folder / "bridge.yaml").write_text(yaml.safe_dump(self._bridge_config(),
+                                                                sort_keys=False))
+
+    def _alertmanager_config(self) -> dict[str, Any]:
+        """The shipped routing example, pointed at this bridge, with demo-speed timers."""
+        shipped = Path(rules.RULES_DIR) / "alertmanager.yml"
+        config = yaml.safe_load(shipped.read_text())
+        webhook = f"{self.url['bridge']}/api/v1/alerts"
+        for receiver in config.get("receivers", []):
+            for hook in receiver.get("webhook_configs", []):
+                hook["url"] = webhook
+                hook.setdefault("http_config", {})["authorization"] = {
+                    "type": "Bearer", "credentials_file": str(self.token_file)}
+        route = config["route"]
+        route.update(group_wait="1s", group_interval="2s", repeat_interval="1h")
+        for child in route.get("routes", []):
+            for key in ("group_wait", "group_interval"):
+                if key in child:
+                    child[key] = route[key]
+        return config
+
+    def _bridge_config(self) -> dict[str, Any]:
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                    f"--nproc-per-node={self.ranks}", "-m", "robust_metrics.demo.train",
+                    f"--run-dir={self.job_dir}", f"--step-sleep={self.step_sleep}"]
+        return {
+            "listen": {"host": "127.0.0.1", "port": self.ports["bridge"]},
+            "database": str(self.folder / "bridge.db"),
+            "auth": {"bearer_token_file": str(self.token_file)},
+            "prometheus": {"url": self.url["prometheus"]},
+            "sidecars": {"urls": {self.node: self.url["sidecar"]},
+                         "token_file": str(self.token_file), "timeout_s": 15,
+                         "ack_source": "sidecar"},
+            "schedulers": {"local": {
+                "type": "local", "command": launcher, "cwd": str(self.folder),
+                "env": {"ROBUST_METRICS_DIR": str(self.metrics_dir), "OMP_NUM_THREADS": "1"},
+                "state_dir": str(self.folder / "local-scheduler"), "log_dir": str(self.logs),
+                "stop_timeout_s": 10}},
+            "default_scheduler": "local",
+            "restart_budget": {"max_restarts": 2, "window": "1h"},
+            "rules": [
+                {"name": "hang", "match": {"action": "restart"}, "cooldown_s": 120,
+                 "actions": ["dump_stacks", {"type": "restart", "checkpoint_first": True}]},
+                {"name": "stacks", "match": {"action": "dump_stacks"}, "cooldown_s": 120,
+                 "actions": ["dump_stacks"]},
+                {"name": "checkpoint", "match": {"action": "checkpoint"}, "cooldown_s": 120,
+                 "actions": [{"type": "checkpoint", "timeout_s": 60}]},
+            ],
+        }
+
+    # -- processes -------------------------------------------------------------------------
+    def start(self) -> None:
+        """Write the configs and start Prometheus, Alertmanager, the sidecar and the bridge."""
+        self.write_configs()
+        python = sys.executable
+        specs = [
+            Service("sidecar", [python, "-m", "robust_metrics", "sidecar",
+                                f"--listen=127.0.0.1:{self.ports['sidecar']}",
+                                f"--dir={self.metrics_dir}", f"--node={self.node}",
+                                f"--token-file={self.token_file}", "--merge-after=5",
+                                "--no-collector.nccl"],
+                    self.logs / "sidecar.log", f"{self.url['sidecar']}/healthz"),
+            Service("bridge", [python, "-m", "robust_metrics", "bridge",
+                               f"--config={self.folder / 'bridge.yaml'}"],
+                    self.logs / "bridge.log", f"{self.url['bridge']}/healthz"),
+            Service("alertmanager", [
+                find_binary("prometheus-alertmanager", "alertmanager"),
+                f"--config.file={self.folder / 'alertmanager.yml'}",
+                f"--storage.path={self.folder / 'alertmanager-data'}",
+                f"--web.listen-address=127.0.0.1:{self.ports['alertmanager']}",
+                "--cluster.listen-address=", "--log.level=warn"],
+                self.logs / "alertmanager.log", f"{self.url['alertmanager']}/-/ready"),
+            Service("prometheus", [
+                find_binary("prometheus"), f"--config.file={self.folder / 'prometheus.yml'}",
+                f"--storage.tsdb.path={self.folder / 'prometheus-data'}",
+                f"--web.listen-address=127.0.0.1:{self.ports['prometheus']}",
+                "--log.level=warn"],
+                self.logs / "prometheus.log", f"{self.url['prometheus']}/-/ready"),
+        ]
+        for service in specs:
+            self.services.append(service.start())
+
+    def start_job(self) -> None:
+        """Start the training job through the same `local` scheduler state the bridge uses."""
+        from robust_metrics.bridge.schedulers.local import LocalScheduler
+
+        config = dict(self._bridge_config()["schedulers"]["local"])
+        config.pop("type")
+        result = LocalScheduler(config).start(RUN, reason="demo start")
+        if not result.ok:
+            raise RuntimeError(f"could not start the training job: {result.detail}")
+
+    def stop_job(self) -> None:
+        from robust_metrics.bridge.schedulers.local import LocalScheduler
+
+        config = dict(self._bridge_config()["schedulers"]["local"])
+        config.pop("type")
+        LocalScheduler(config).cancel(RUN, "demo finished")
+
+    def stop(self) -> None:
+        """Stop the job and every service, newest first."""
+        try:
+            self.stop_job()
+        finally:
+            for service in reversed(self.services):
+                service.stop()
+
+    # -- queries ---------------------------------------------------------------------------
+    def query(self, expr: str) -> list[dict[str, Any]]:
+        url = f"{self.url['prometheus']}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return list(json.load(response)["data"]["result"])
+
+    def query_range(self, expr: str, start: float, end: float, step: float) -> list[dict[str, Any]]:
+        url = f"{self.url['prometheus']}/api/v1/query_range?" + urllib.parse.urlencode(
+            {"query": expr, "start": start, "end": end, "step": step})
+        with urllib.request.urlopen(url, timeout=15) as response:
+            return list(json.load(response)["data"]["result"])
+
+    def firing_alerts(self) -> list[dict[str, Any]]:
+        with urllib.request.urlopen(f"{self.url['prometheus']}/api/v1/alerts", timeout=5) as r:
+            return [a for a in json.load(r)["data"]["alerts"] if a["state"] == "firing"]
+
+    def actions(self) -> list[dict[str, Any]]:
+        request = urllib.request.Request(f"{self.url['bridge']}/api/v1/actions?run={RUN}")
+        request.add_header("Authorization", f"Bearer {self.token}")
+        with urllib.request.urlopen(request, timeout=5) as response:
+            body = json.load(response)
+        return list(body.get("actions", body) if isinstance(body, dict) else body)
