@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import json
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import redirect_stdout
@@ -226,3 +227,15 @@ def test_flight_recorder_names_the_rank_missing_from_the_last_collective(tmp_pat
     assert group["last_collective"] == "gloo:all_reduce"
     assert group["missing_ranks"] == [1] and report["missing_ranks"] == [1]
     assert group["seq_by_rank"] == {"0": 4, "1": 3, "2": 4}
+    # through the CLI, next to the stacks (here of a local process)
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; print(1, flush=True); "
+                                "time.sleep(60)"], stdout=subprocess.PIPE)
+    try:
+        assert sleeper.stdout is not None and sleeper.stdout.readline()
+        code, text = stacks("--pid", str(sleeper.pid), "--samples", "1",
+                            "--flight-recorder", str(out))
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert code == 0, text
+    assert "process group 0: last collective gloo:all_reduce (seq 4); missing ranks 1" in text
