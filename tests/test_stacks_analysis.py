@@ -150,6 +150,17 @@ def test_samples_tell_a_progressing_job_from_a_hung_one() -> None:
     assert report["stable_ranks"] == [0, 1, 2, 3]
 
 
+def test_a_checkpoint_thread_that_comes_and_goes_names_nobody() -> None:
+    ckpt = [("write", f"{SITE}/torch/distributed/checkpoint/filesystem.py", 5)]
+    dumps = [dump(r, thread(ALL_REDUCE, locals_={}),
+                  *([thread(ckpt, "Thread-4")] if (r, s) == (1, 0) else []))
+             for s in range(3) for r in range(4)]
+    report = analyse(dumps, info(4))
+    assert report["hung"] is True and report["suspects"] == []
+    (group,) = [g for g in report["groups"] if g["role"] == "checkpoint"]
+    assert group["ranks"] == [1] and group["state"] == "progressing"
+
+
 def test_a_rank_still_running_other_code_in_a_hung_job_is_named() -> None:
     spin = [[("compute_a", "/job/x.py", 1)], [("compute_b", "/job/x.py", 2)],
             [("compute_a", "/job/x.py", 1)]]

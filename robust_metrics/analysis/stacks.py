@@ -465,8 +465,8 @@ def _group(analysed: list[_Rank], info: dict[int, dict], min_share: float, hang_
             groups.append(group)
             if is_healthy or not decides or hung is False:
                 continue
-            if role != "main" and sig == (PROGRESSING,):
-                continue  # a helper thread that moves is not what holds the job
+            if role != "main" and sig in ((PROGRESSING,), (ABSENT,)):
+                continue  # a helper thread that moves or comes and goes does not hold the job
             for r in members:
                 entry = suspects.setdefault(r.key, _suspect(r))
                 entry["roles"].append(role)
