@@ -302,3 +302,26 @@ def test_raw_dumps_kept_when_aggregation_is_missing_or_fails(
     monkeypatch.setitem(sys.modules, "robust_metrics.analysis.stacks", broken)
     result, how = actions._analyse(dumps)
     assert result is None and "ZeroDivisionError" in how
+
+
+def test_hang_suspects_follow_the_latest_analysis_and_run_label_is_required(
+        bridge_client: Any, tmp_path: Path) -> None:
+    pytest.importorskip("robust_metrics.analysis.stacks")
+    with FakeSidecar(node="n1", run="r1", ranks=[0, 1, 2, 3], odd_rank=1) as side:
+        raw = make_config(tmp_path, [{"match": {"alertname": "Hang"},
+                                      "actions": ["dump_stacks"]}],
+                          sidecars={"urls": {"n1": side.url}, "token": "side-token"})
+        client = bridge_client(raw)
+        post(client, webhook(alert("Hang", fingerprint="a", run="r1", node="n1")))
+        settled(client, 1)
+        assert 'robust_hang_suspect{node="n1",rank="1",run="r1"} 1.0' in client.get(
+            "/metrics").text
+        side.odd_rank = 2  # the next dump names another rank; the old series goes away
+        post(client, webhook(alert("Hang", fingerprint="b", run="r1", node="n1")))
+        settled(client, 2)
+        metrics = client.get("/metrics").text
+        assert 'robust_hang_suspect{node="n1",rank="2",run="r1"} 1.0' in metrics
+        assert 'rank="1",run="r1"' not in metrics
+        post(client, webhook(alert("Hang", fingerprint="c", node="n1")))  # no run label
+        row = next(r for r in settled(client, 3) if r["fingerprint"] == "c")
+        assert row["status"] == "failed" and "`run` label" in row["steps"][0]["detail"]

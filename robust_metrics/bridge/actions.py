@@ -14,6 +14,7 @@ Crash behaviour per action (a step found `running` at start):
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -126,10 +127,14 @@ class Actions:
         self.metrics = metrics
         self.notifier = Notifier(config.notify) if config.notify else None
         self.stop = stop or threading.Event()
+        self._suspects: dict[str, set[tuple[str, str]]] = {}  # run -> (rank, node) now at 1
 
     # ------------------------------------------------------------------ dispatch
     def run(self, ctx: StepContext) -> Outcome:
         kind = ctx.spec["type"]
+        if kind in ("checkpoint", "dump_stacks", "restart") and not ctx.incident.run:
+            return Outcome("failed", f"{kind} needs the alert's `{self.config.run_label}` label "
+                           "(the training job); this alert has none")
         handler = getattr(self, f"_{kind}")
         try:
             return handler(ctx)  # type: ignore[no-any-return]
@@ -244,15 +249,24 @@ class Actions:
         data: dict[str, Any] = {"nodes": nodes, "errors": errors, "analysis": analysis}
         if analysis is None:
             data["dumps"] = dumps
-        for suspect in (analysis or {}).get("suspects") or []:
-            if isinstance(suspect, Mapping) and "rank" in suspect:
-                self.metrics.hang_suspect.labels(run=run, rank=str(suspect["rank"]),
-                                                 node=str(suspect.get("node", ""))).set(1)
+        if analysis is not None:
+            self._publish_suspects(run, analysis.get("suspects") or [])
         ranks = sum(len(d["ranks"]) for d in dumps)
         status = "success" if not errors else "failed"
         missing = f"; no answer from {', '.join(sorted(errors))}" if errors else ""
         return Outcome(status, f"stacks of {ranks} ranks from {len(dumps)} node(s), {how}"
                        + missing, data)
+
+    def _publish_suspects(self, run: str, suspects: list[Any]) -> None:
+        """`robust_hang_suspect` shows the latest analysis of the run: older suspects go."""
+        now = {(str(s["rank"]), str(s.get("node") or "")) for s in suspects
+               if isinstance(s, Mapping) and "rank" in s}
+        for rank, node in self._suspects.get(run, set()) - now:
+            with contextlib.suppress(KeyError):
+                self.metrics.hang_suspect.remove(run, rank, node)
+        for rank, node in now:
+            self.metrics.hang_suspect.labels(run=run, rank=rank, node=node).set(1)
+        self._suspects[run] = now
 
     def _restart(self, ctx: StepContext) -> Outcome:
         name, scheduler = self._scheduler(ctx)
