@@ -116,6 +116,18 @@ def _whatif(trace_dir: Path, out: Path) -> dict[str, Any] | None:
         return {"error": str(exc)}
 
 
+def alerts_fired(stack: DemoStack, started: float, ended: float) -> list[dict[str, str]]:
+    """Every (alertname, rank) that fired for the run between `started` and `ended`."""
+    window = max(1, int(ended - started) + 1)
+    try:
+        result = stack.query(f'group by (alertname, rank) (max_over_time(ALERTS{{run="{RUN}", '
+                             f'alertstate="firing"}}[{window}s]))')
+    except (OSError, KeyError, ValueError):
+        return []
+    return sorted(({k: v for k, v in r["metric"].items()} for r in result),
+                  key=lambda a: (a.get("alertname", ""), a.get("rank", "")))
+
+
 def write_report(stack: DemoStack, records: list[FaultRecord], started: float, ended: float,
                  out: Path, resumed_from: int | None) -> Path:
     """Write plots, `report.json` and `README.md` into `out`; returns the page's path."""
@@ -155,6 +167,7 @@ def write_report(stack: DemoStack, records: list[FaultRecord], started: float, e
                     "detected_at": r.detected_at, "latency_s": r.latency, "actions": r.actions,
                     "result": r.result} for r in records],
         "ettr": ettr_values, "resumed_from_step": resumed_from, "whatif": whatif,
+        "alerts_fired": alerts_fired(stack, started, ended), "incidents": _incidents(stack),
         "started": started, "ended": ended,
     }
     (out / "report.json").write_text(json.dumps(document, indent=2, default=str))
@@ -175,6 +188,14 @@ def write_report(stack: DemoStack, records: list[FaultRecord], started: float, e
     page = out / "README.md"
     page.write_text("\n".join(lines))
     return page
+
+
+def _incidents(stack: DemoStack) -> list[dict[str, Any]]:
+    try:
+        return stack.actions()
+    except OSError as exc:
+        log.warning("could not read the bridge's actions: %s", exc)
+        return []
 
 
 def _fmt(value: float | None) -> str:

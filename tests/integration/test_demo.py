@@ -1,0 +1,52 @@
+"""`robust-metrics demo` end to end, headless, in its short mode: every injected fault is caught
+by the right alert for the right rank, the bridge acts once per alert, the job resumes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from tests.support import ROOT, require_binary
+
+pytestmark = pytest.mark.integration
+
+
+def run_demo(out: Path, *args: str, timeout: float) -> dict:
+    require_binary("prometheus")
+    require_binary("prometheus-alertmanager", "alertmanager")
+    proc = subprocess.run([sys.executable, "-m", "robust_metrics", "demo", "--out", str(out),
+                           *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    reports = sorted(out.glob("*/report/report.json"))
+    assert reports, f"no report written (exit {proc.returncode}):\n{proc.stdout[-4000:]}\n" \
+                    f"{proc.stderr[-4000:]}"
+    report = json.loads(reports[-1].read_text())
+    report["_exit"], report["_stdout"] = proc.returncode, proc.stdout
+    return report
+
+
+def test_every_fault_is_detected_acted_on_once_and_the_job_resumes(tmp_path: Path) -> None:
+    report = run_demo(tmp_path, "--duration", "150", timeout=600)
+    faults = {f["alert"]: f for f in report["faults"]}
+    assert set(faults) == {"SlowRank", "NonFiniteLoss", "RankHang"}, report["_stdout"][-3000:]
+    for alert, fault in faults.items():
+        assert fault["detected_at"] is not None, f"{alert} not detected\n{report['_stdout']}"
+        assert fault["alert_rank"] == str(fault["rank"]), fault
+    incidents = [i for i in report["incidents"] if i["steps"]]
+    steps = Counter((i["alertname"], s["action"]) for i in incidents for s in i["steps"])
+    assert steps[("SlowRank", "checkpoint")] == 1, steps
+    assert steps[("RankHang", "restart")] == 1, steps
+    assert steps[("RankHang", "dump_stacks")] == 1, steps
+    assert all(i["status"] == "done" for i in incidents), incidents
+    assert report["resumed_from_step"] is not None and report["resumed_from_step"] > 0
+    assert report["_exit"] == 0, report["_stdout"][-3000:]
+
+
+def test_a_healthy_run_raises_no_alert(tmp_path: Path) -> None:
+    report = run_demo(tmp_path, "--no-faults", "--duration", "60", timeout=400)
+    assert report["alerts_fired"] == [], report["alerts_fired"]
+    assert report["_exit"] == 0
