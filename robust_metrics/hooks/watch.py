@@ -17,7 +17,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from robust_metrics import schema
@@ -163,8 +163,9 @@ class Watch:
 
         o = self.options
         if self.optimizer is not None:
-            self._handles.append(self.optimizer.register_step_pre_hook(self._on_pre_step))
-            self._handles.append(self.optimizer.register_step_post_hook(self._on_step_end))
+            optimizer = unwrap_optimizer(self.optimizer)
+            self._handles.append(optimizer.register_step_pre_hook(self._on_pre_step))
+            self._handles.append(optimizer.register_step_post_hook(self._on_step_end))
         if self.model is not None:
             self._handles.append(self.model.register_forward_pre_hook(self._on_forward))
         self._patch(torch.Tensor, "backward", self._wrap_backward)
@@ -360,15 +361,7 @@ class Watch:
         except Exception as exc:
             self._error("loss", exc)
 
-    @contextlib.contextmanager
-    def _phase_scope(self, previous: str) -> Iterator[None]:
-        try:
-            yield
-        finally:
-            self._set_phase(previous)
-            self._flush(force=True)
-
-    def phase(self, name: str) -> contextlib.AbstractContextManager[None]:
+    def phase(self, name: str) -> _PhaseScope:
         """Enter phase `name` (train, eval, checkpoint). As a context manager, restore on exit.
 
         Hang and slowness alerts stay silent outside `train`, so evaluation and checkpointing
@@ -382,7 +375,11 @@ class Watch:
         if name == "train":
             self._last_step_end = None  # time outside training is not a step
             self._awaiting_forward = True
-        return self._phase_scope(previous)
+        return _PhaseScope(self, previous)
+
+    def _leave_phase(self, previous: str) -> None:
+        self._set_phase(previous)
+        self._flush(force=True)
 
     def set_step(self, step: int) -> None:
         """Tell the hook the global step after resuming from a checkpoint."""
@@ -485,6 +482,36 @@ class Watch:
                             where, exc, exc_info=exc)
         except Exception:
             pass
+
+
+class _PhaseScope:
+    """What `phase()` returns: already in the phase; leaving a `with` block (or calling
+    `restore()`) goes back to the phase before."""
+
+    def __init__(self, watch: Watch, previous: str) -> None:
+        self._watch = watch
+        self._previous = previous
+
+    def restore(self) -> None:
+        self._watch._leave_phase(self._previous)
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        self.restore()
+
+
+def unwrap_optimizer(optimizer: Any) -> Any:
+    """The torch optimizer inside a framework's wrapper (Accelerate, Lightning), whose `step()`
+    is the one that runs the step hooks."""
+    seen = 0
+    while not hasattr(optimizer, "_optimizer_step_pre_hooks") and seen < 4:
+        inner = getattr(optimizer, "optimizer", None) or getattr(optimizer, "_optimizer", None)
+        if inner is None:
+            break
+        optimizer, seen = inner, seen + 1
+    return optimizer
 
 
 def torch_ddp_class() -> Any:

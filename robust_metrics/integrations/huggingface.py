@@ -1,0 +1,45 @@
+"""Hugging Face Trainer callback: `Trainer(..., callbacks=[RobustMetricsCallback()])`.
+
+It calls `watch()` when training begins (the Trainer has built its optimizer by then) and closes
+it when training ends. Evaluation runs in the `eval` phase. With Accelerate, the loss is captured
+from `accelerator.backward(loss)`, which calls `loss.backward()`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import TrainerCallback
+
+import robust_metrics
+
+__all__ = ["RobustMetricsCallback"]
+
+
+class RobustMetricsCallback(TrainerCallback):  # type: ignore[misc]
+    """Start and stop robust-metrics with `Trainer.train()`; `watch_options` go to `watch()`."""
+
+    def __init__(self, **watch_options: Any) -> None:
+        self.watch_options = watch_options
+        self.handle: Any = None
+        self._eval: Any = None
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None,
+                       optimizer: Any = None, **kwargs: Any) -> None:
+        options = {"rank": args.process_index, "world_size": args.world_size,
+                   "local_rank": max(args.local_process_index, 0),
+                   "start_step": state.global_step, **self.watch_options}
+        self.handle = robust_metrics.watch(model, optimizer, **options)
+
+    def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.handle is not None:  # evaluation is over: back to training
+            self.handle.phase("train")
+
+    def on_prediction_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.handle is not None and self.handle._phase != "eval":
+            self.handle.phase("eval")
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.handle is not None:
+            self.handle.close()
+            self.handle = None
