@@ -7,7 +7,6 @@ import re
 import pytest
 
 from robust_metrics import schema
-from tests.support import ROOT
 
 CORE = [
     "robust_steps_total", "robust_last_step_timestamp_seconds", "robust_step_duration_seconds",
@@ -56,13 +55,3 @@ def test_per_rank_series_carry_only_run_and_rank_plus_bounded_keys() -> None:
 def test_unknown_metric_is_named_in_the_error() -> None:
     with pytest.raises(KeyError, match="robust_nope"):
         schema.get("robust_nope")
-
-
-def test_readme_metric_table_matches_schema() -> None:
-    readme = (ROOT / "README.md").read_text()
-    begin, end = "<!-- metrics:begin -->\n", "<!-- metrics:end -->"
-    assert begin in readme and end in readme, "README lacks the generated metric table markers"
-    table = readme.split(begin, 1)[1].split(end, 1)[0]
-    assert table == schema.markdown_table(), (
-        "README metric table is out of date: run `robust-metrics schema` and paste it between "
-        "the markers")
