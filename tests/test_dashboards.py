@@ -85,12 +85,9 @@ def all_exprs() -> list[tuple[str, str, str]]:
 
 
 def recording_rules() -> set[str]:
-    names: set[str] = set()
-    for path in sorted((ROOT / "alert_rules").glob("*.y*ml")):
-        doc = yaml.safe_load(path.read_text()) or {}
-        for group in doc.get("groups", []) or []:
-            names |= {r["record"] for r in group.get("rules", []) or [] if "record" in r}
-    return names
+    from robust_metrics import rules
+
+    return {r["record"] for r in rules.recording_rules(rules.load_groups())}
 
 
 def test_metric_name_extraction_sees_through_promql() -> None:

@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from robust_metrics import dashboards
+from robust_metrics import dashboards, rules
 from robust_metrics.dashboards import Needs
 from robust_metrics.hooks.control import write_checkpoint_request
 from tests.bridge_fakes import BridgeProcess, alert, webhook, write_config
@@ -122,7 +122,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     job = None
     prom = PrometheusServer(tmp / "prometheus", [f"127.0.0.1:{sidecar.port}",
                                                  f"127.0.0.1:{bridge.port}"],
-                            rule_files=sorted((ROOT / "alert_rules").glob("*.yml")))
+                            rule_files=rules.rule_files())
     try:
         sidecar.wait_ready(timeout=60)
         bridge.start()
