@@ -1,6 +1,6 @@
 """Test doubles for the bridge's neighbours: a node sidecar, a webhook receiver, a bridge process.
 
-The sidecar fake follows the contract of issue #3 (POST /control/checkpoint with a bearer token,
+The sidecar fake follows the sidecar's contract (POST /control/checkpoint with a bearer token,
 GET /debug/stacks, /metrics with robust_checkpoint_request_id per rank) until the real sidecar can
 be started in these tests. Alertmanager, amtool and the bridge itself are always real.
 """

@@ -245,7 +245,7 @@ def test_checkpoint_then_restart_with_local_scheduler(bridge_client: Any,
             steps = row["steps"]
             assert [s["action"] for s in steps] == ["dump_stacks", "checkpoint", "restart"]
             analysis = steps[0]["data"]["analysis"]
-            if analysis is None:  # stack aggregation (issue #8) not installed: raw dumps
+            if analysis is None:  # stack aggregation not installed: raw dumps
                 assert sorted(d["node"] for d in steps[0]["data"]["dumps"]) == ["n1", "n2"]
             else:
                 assert [(s["rank"], s["node"]) for s in analysis["suspects"]] == [(3, "n2")]

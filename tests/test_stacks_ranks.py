@@ -1,6 +1,6 @@
 """Hang localisation on real gloo ranks with the real py-spy, sidecar and Prometheus.
 
-Scenarios of issue #8: one rank blocked in data loading while the others wait in all_reduce (named,
+Scenarios: one rank blocked in data loading while the others wait in all_reduce (named,
 with its node, through every source); a healthy job and a job whose ranks all wait in the same
 collective (nobody named); two ranks blocked in two places (both named); a dead pid and an
 unreachable sidecar (reported, the rest analysed); Flight Recorder dumps (the rank that skipped

@@ -100,7 +100,7 @@ def _call(scheduler: Scheduler, method: str, *args: Any, key: str) -> ActionResu
 
 
 def _analyse(dumps: list[dict[str, Any]]) -> tuple[dict[str, Any] | None, str]:
-    """Aggregate with issue #8's `analysis.stacks.analyse` when it is installed."""
+    """Aggregate with `analysis.stacks.analyse` when it is installed."""
     try:
         from robust_metrics.analysis.stacks import analyse  # type: ignore[import-not-found]
     except ImportError:
