@@ -195,6 +195,24 @@ def main(argv: list[str] | None = None) -> int:
             slowdown = prom.query("run:robust_straggler_slowdown:ratio5m")
             slow = prom.query("run_rank:robust_step_compute_seconds:ratio_to_median5m > 1.25")
             rss = psutil.Process(prom.proc.pid).memory_info().rss if prom.proc else 0
+            # Quiet replay: stop the exporter (no more ingestion), then run every rule's
+            # expression as an instant query at a moment inside the data, in group order,
+            # and sum the engine's own timings per group.
+            t_query = time.time() - 2 * rules.parse_duration(args.interval) / 1000
+            exporter.server.shutdown()
+            time.sleep(3 * rules.parse_duration(args.interval) / 1000)
+            quiet: dict[str, list[float]] = {}
+            per_rule: dict[str, float] = {}
+            for _ in range(3):
+                for group in [*rules.load_groups(), baseline]:
+                    total = 0.0
+                    for rule in group["rules"]:
+                        data = prom.api("query", query=rule["expr"], time=t_query, stats="all")
+                        took = float(data["stats"]["timings"]["execTotalTime"])
+                        total += took
+                        name = rule.get("record") or rule.get("alert")
+                        per_rule[name] = min(per_rule.get(name, took), took)
+                    quiet.setdefault(group["name"], []).append(total)
     base = statistics.median(durations.get("bench-baseline", [0.0])) or float("nan")
     result = {
         "ranks": args.ranks, "interval": args.interval,
@@ -207,6 +225,9 @@ def main(argv: list[str] | None = None) -> int:
         "straggler_slowdown": slowdown[0]["value"][1] if slowdown else None,
         "slow_ranks_found": [s["metric"]["rank"] for s in slow],
         "slowest_rules_last_eval_s": [(name, round(t, 4)) for t, name in slowest],
+        "quiet_slowest_rules_s": sorted(((round(t, 4), n) for n, t in per_rule.items()),
+                                        reverse=True)[:8],
+        "quiet_replay_s": {name: round(statistics.median(v), 4) for name, v in quiet.items()},
         "groups": {name: {"evaluations": len(v), "median_s": round(statistics.median(v), 4),
                           "max_s": round(max(v), 4),
                           "median_x_baseline": round(statistics.median(v) / base, 1)}
