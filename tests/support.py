@@ -40,7 +40,7 @@ def free_port_block(n: int) -> int:
             for port in range(base, base + n):
                 sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
                 socks.append(sock)
-                sock.bind(("127.0.0.1", port))
+                sock.bind(("0.0.0.0", port))  # ranks listen on all addresses
             return base
         except OSError:
             continue

@@ -11,7 +11,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
 
 from robust_metrics import schema
-from tests.support import RankJob, free_port, wait_until
+from tests.support import RankJob, free_port_block, wait_until
 
 pytestmark = pytest.mark.integration
 WORLD = 4
@@ -87,7 +87,7 @@ def test_series_per_rank_stay_within_budget(faulty_job: dict) -> None:
 
 
 def test_in_process_endpoints_serve_every_rank(tmp_path: Path) -> None:
-    port = free_port()
+    port = free_port_block(2)
     with RankJob(2, ["--steps", "100000", "--step-sleep", "0.01"],
                  env={"ROBUST_METRICS_PORT": str(port)}, log_dir=tmp_path, run="http") as job:
         for local_rank in range(2):

@@ -15,7 +15,7 @@ import pytest
 from robust_metrics import rules
 from robust_metrics.analysis.whatif import analyze, load_model
 from tests.prometheus_fixture import PrometheusServer
-from tests.support import RankJob, free_port, wait_until
+from tests.support import RankJob, free_port_block, wait_until
 
 pytestmark = pytest.mark.integration
 JOB = Path(__file__).resolve().parent.parent / "whatif_trace_job.py"
@@ -26,7 +26,7 @@ SLOW = 2
 def test_online_estimate_and_simulator_agree_on_the_slow_rank(tmp_path: Path) -> None:
     rule_file = tmp_path / "rules.yml"
     rule_file.write_text(rules.render(rules.load_groups(time_scale=1 / 15)))
-    port = free_port()
+    port = free_port_block(4)
     trace = tmp_path / "trace"
     env = {"TRACE_DIR": str(trace), "TRACE_EVERY": "5", "TRACE_STEPS": "1",
            "ROBUST_METRICS_PORT": str(port)}
