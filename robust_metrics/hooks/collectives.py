@@ -96,6 +96,7 @@ class CollectiveTracker:
         self._on_error = on_error
         self._patched: dict[tuple[Any, str], Any] = {}
         self._groups_timed_by_hook: set[str] = set()
+        self.closed = False
         self.originals: dict[str, Callable[..., Any]] = {}
 
     # -- accounting ------------------------------------------------------------------------
@@ -162,6 +163,7 @@ class CollectiveTracker:
                     setattr(module, fn_name, wrapped)
 
     def unpatch(self) -> None:
+        self.closed = True
         for (module, fn_name), original in self._patched.items():
             setattr(module, fn_name, original)
         self._patched.clear()
@@ -211,11 +213,15 @@ class CollectiveTracker:
 
         all_reduce = self.originals.get("all_reduce", dist.all_reduce)
         group = group_label(process_group)
+        world = dist.get_world_size(process_group)
         tracker = self
 
         def hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP rejects non-GradBucket annotations
             tensor = bucket.buffer()
-            tensor.div_(dist.get_world_size(process_group))
+            tensor.div_(world)
+            if tracker.closed:  # DDP cannot unregister a comm hook: after close(), just all-reduce
+                return all_reduce(tensor, group=process_group, async_op=True).get_future().then(
+                    lambda fut: fut.value()[0])
             started = tracker.launch("all_reduce", group, _payload_bytes(tensor))
             tracker._ddp_last_launch = started
             future = all_reduce(tensor, group=process_group, async_op=True).get_future()

@@ -285,12 +285,11 @@ class Watch:
     def _submit_numerics(self) -> None:
         taken = self._losses.take()
         if taken is not None:
-            total, count = taken
-            loss = total / count
-            if hasattr(loss, "detach"):
-                self._reader.submit(loss, self._record_loss)
+            total, count = taken  # divided on the host once read: no extra tensor op per step
+            if hasattr(total, "detach"):
+                self._reader.submit(total, lambda value: self._record_loss(value / count))
             else:
-                self._record_loss(float(loss))
+                self._record_loss(float(total) / count)
         norm, self._grad_norm_from_clip = self._grad_norm_from_clip, None
         if norm is not None:
             if hasattr(norm, "detach"):
