@@ -72,6 +72,42 @@ def measure(backend: str, clip: bool, steps: int, rounds: int, folder: str,
             "ratio_10ms": extra / 0.010}
 
 
+def callback_costs() -> dict[str, float]:
+    """CPU time of each hook callback per step, called directly (min of repeats: deterministic,
+    unlike the end-to-end A/B on a shared machine)."""
+    import timeit
+
+    net = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256))
+    optimizer = torch.optim.SGD(net.parameters(), lr=1e-3)
+    x = torch.randn(64, 256)
+    loss = net(x).pow(2).mean()
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+    handle = robust_metrics.watch(net, optimizer, backend="null", run="bench", collectives=False)
+
+    def step_end() -> None:
+        handle._losses.add(loss, explicit=False)
+        handle._grad_norm_from_clip = norm
+        handle._on_step_end(optimizer, (), {})
+
+    def forward() -> None:
+        handle._awaiting_forward = True
+        handle._on_forward(net, (x,))
+
+    def grad_norm() -> None:
+        handle._grad_norm_from_clip = None
+        handle._on_pre_step(optimizer, (), {})
+
+    cases = {"step end (incl. loss and norm read)": step_end, "forward pre-hook": forward,
+             "loss capture in backward()": lambda: handle._capture_loss(loss),
+             "gradient norm when the user does not clip": grad_norm}
+    try:
+        return {name: min(timeit.repeat(fn, number=2000, repeat=7)) / 2000
+                for name, fn in cases.items()}
+    finally:
+        handle.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300)
@@ -93,6 +129,9 @@ def main() -> None:
         print(f"| {backend} | {label} | {'yes' if clip else 'no (hook computes the norm)'} | "
               f"{r['step_ms']:.2f} ms | {r['added_us']:.1f} µs | {100 * r['ratio_step']:.2f}% | "
               f"{100 * r['ratio_10ms']:.2f}% |", flush=True)
+    print("\n| hook callback | CPU per call |\n|---|---|")
+    for name, seconds in callback_costs().items():
+        print(f"| {name} | {1e6 * seconds:.1f} µs |")
     dist.destroy_process_group()
 
 
