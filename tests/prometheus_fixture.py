@@ -11,8 +11,6 @@ terminated (then killed) on exit. `require_binary` skips the test where Promethe
 from __future__ import annotations
 
 import contextlib
-import os
-import signal
 import subprocess
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -21,6 +19,7 @@ from typing import Any
 import pytest
 import yaml
 
+from robust_metrics.processes import stop_process_group
 from tests.support import free_port, require_binary, wait_until
 
 __all__ = ["PrometheusServer", "prometheus_factory", "prometheus_server", "wait_for_series"]
@@ -102,16 +101,8 @@ class PrometheusServer:
         wait_until(up, timeout=timeout, interval=0.5, message=f"{count} scrape targets up")
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=10)
+        if self.proc is not None:
+            stop_process_group(self.proc, timeout=15)
 
     def __enter__(self) -> PrometheusServer:
         return self.start()

@@ -16,16 +16,13 @@ from typing import TypeVar
 
 import pytest
 
+from robust_metrics.processes import free_port, stop_process_group
+
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "train_ddp.py"
 T = TypeVar("T")
 
 
-def free_port() -> int:
-    """A loopback TCP port that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def free_port_block(n: int) -> int:
@@ -187,15 +184,7 @@ class SidecarProcess:
         raise AssertionError(f"sidecar not ready after {timeout}s:\n{self.output()}")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=10)
+        stop_process_group(self.proc)
 
     def __enter__(self) -> SidecarProcess:
         return self.wait_ready()

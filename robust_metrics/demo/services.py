@@ -2,25 +2,17 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from robust_metrics.processes import free_port, stop_process_group
+
 __all__ = ["Service", "find_binary", "free_port", "http_ok"]
-
-
-def free_port() -> int:
-    """A loopback TCP port that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def find_binary(*names: str) -> str:
@@ -79,14 +71,5 @@ class Service:
             return ""
 
     def stop(self, timeout: float = 10.0) -> None:
-        proc = self.proc
-        if proc is None or proc.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=timeout)
+        if self.proc is not None:
+            stop_process_group(self.proc, timeout)

@@ -8,11 +8,19 @@ message a person can act on when the scheduler refuses or cannot be reached.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["ActionResult", "Scheduler", "SchedulerError", "create", "names", "register"]
+__all__ = [
+    "ActionResult",
+    "Scheduler",
+    "SchedulerError",
+    "check_keys",
+    "create",
+    "names",
+    "register",
+]
 
 
 class SchedulerError(RuntimeError):
@@ -45,6 +53,16 @@ class Scheduler(Protocol):
     def cancel(self, run: str, reason: str) -> ActionResult:
         """Stop the run for good."""
         ...
+
+
+def check_keys(config: Mapping[str, Any], allowed: Iterable[str], scheduler: str) -> None:
+    """Refuse keys an adapter does not know, naming them and the allowed ones (a typo in a
+    policy must stop the bridge at start, not act differently at 3 a.m.)."""
+    known = set(allowed) | {"_base_dir"}  # `_base_dir` is set by the bridge, not the user
+    unknown = sorted(set(config) - known)
+    if unknown:
+        raise ValueError(f"{scheduler} scheduler: unknown key(s) {', '.join(unknown)} "
+                         f"(allowed: {', '.join(sorted(known - {'_base_dir'}))})")
 
 
 _FACTORIES: dict[str, Callable[[Mapping[str, Any]], Scheduler]] = {}

@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from robust_metrics.bridge.schedulers.base import ActionResult, SchedulerError, register
+from robust_metrics.bridge.schedulers.base import ActionResult, SchedulerError, check_keys, register
 
 __all__ = ["KINDS", "JobKind", "KubernetesScheduler"]
 
@@ -94,10 +94,7 @@ class KubernetesScheduler:
 
     def __init__(self, config: Mapping[str, Any],
                  api_client: Any | None = None) -> None:
-        unknown = sorted(set(config) - _KEYS)
-        if unknown:
-            raise ValueError(f"kubernetes scheduler: unknown key(s) {', '.join(unknown)} "
-                             f"(allowed: {', '.join(sorted(_KEYS - {'_base_dir'}))})")
+        check_keys(config, _KEYS, "kubernetes")
         kind = str(config.get("kind", "PyTorchJob"))
         if kind not in KINDS:
             raise ValueError(f"kubernetes scheduler: `kind` is one of {', '.join(KINDS)}, "

@@ -40,7 +40,7 @@ from typing import Any
 
 import psutil
 
-from robust_metrics.bridge.schedulers.base import ActionResult, SchedulerError, register
+from robust_metrics.bridge.schedulers.base import ActionResult, SchedulerError, check_keys, register
 
 __all__ = ["LocalScheduler"]
 
@@ -55,10 +55,7 @@ class LocalScheduler:
     supports_keys = True
 
     def __init__(self, config: Mapping[str, Any]) -> None:
-        unknown = sorted(set(config) - _KEYS)
-        if unknown:
-            raise ValueError(f"local scheduler: unknown key(s) {', '.join(unknown)} "
-                             f"(allowed: {', '.join(sorted(_KEYS - {'_base_dir'}))})")
+        check_keys(config, _KEYS, "local")
         command = config.get("command")
         if isinstance(command, str):
             command = shlex.split(command)

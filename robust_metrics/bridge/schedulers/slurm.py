@@ -44,7 +44,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from robust_metrics.bridge.schedulers.base import ActionResult, SchedulerError, register
+from robust_metrics.bridge.schedulers.base import ActionResult, SchedulerError, check_keys, register
 
 __all__ = ["SlurmScheduler"]
 
@@ -63,10 +63,7 @@ class SlurmScheduler:
     name = "slurm"
 
     def __init__(self, config: Mapping[str, Any]) -> None:
-        unknown = sorted(set(config) - _KEYS)
-        if unknown:
-            raise ValueError(f"slurm scheduler: unknown key(s) {', '.join(unknown)} "
-                             f"(allowed: {', '.join(sorted(_KEYS - {'_base_dir'}))})")
+        check_keys(config, _KEYS, "slurm")
         base = Path(str(config.get("_base_dir", ".")))
         url = config.get("url")
         if url is not None and (not isinstance(url, str) or not re.match(r"^https?://", url)):

@@ -25,7 +25,7 @@ from typing import Any
 
 import httpx
 
-from robust_metrics.bridge.schedulers.base import ActionResult, SchedulerError, register
+from robust_metrics.bridge.schedulers.base import ActionResult, SchedulerError, check_keys, register
 from robust_metrics.bridge.signing import signed_request
 
 __all__ = ["WebhookScheduler"]
@@ -59,10 +59,7 @@ class WebhookScheduler:
     supports_keys = True
 
     def __init__(self, config: Mapping[str, Any]) -> None:
-        unknown = sorted(set(config) - _KEYS)
-        if unknown:
-            raise ValueError(f"webhook scheduler: unknown key(s) {', '.join(unknown)} "
-                             f"(allowed: {', '.join(sorted(_KEYS - {'_base_dir'}))})")
+        check_keys(config, _KEYS, "webhook")
         url = config.get("url")
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
             raise ValueError(f"webhook scheduler: `url` must be an http(s) URL, got {url!r}")
