@@ -13,11 +13,11 @@ import argparse
 import datetime
 import signal
 import sys
-import threading
 import time
 from pathlib import Path
 from types import FrameType
 
+from robust_metrics.demo.console import make_console
 from robust_metrics.demo.report import summary_table, write_report
 from robust_metrics.demo.scenario import Scenario
 from robust_metrics.demo.stack import RUN, DemoStack
@@ -36,46 +36,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="folder for configs, logs and the report (default demo-run/<time>)")
     parser.add_argument("--step-sleep", type=float, default=0.05,
                         help="extra seconds per training step (default 0.05)")
-
-
-class StatusPrinter:
-    """Prints a status line every few seconds: step, firing alerts, bridge incidents."""
-
-    def __init__(self, stack: DemoStack, interval: float = 5.0) -> None:
-        self.stack = stack
-        self.interval = interval
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=5)
-
-    def line(self) -> str:
-        try:
-            steps = self.stack.query(f'max(robust_global_step{{run="{RUN}"}})')
-            step = int(float(steps[0]["value"][1])) if steps else 0
-            alerts = sorted({f"{a['labels']['alertname']}"
-                             + (f"(rank {a['labels']['rank']})" if "rank" in a["labels"] else "")
-                             for a in self.stack.firing_alerts()})
-            incidents = self.stack.actions()
-            done = sum(1 for i in incidents if i.get("status") == "done")
-        except Exception as exc:  # a service restarting; say so and go on
-            return f"status unavailable: {exc}"
-        return (f"step {step:5d} | firing: {', '.join(alerts) or 'none'} | "
-                f"bridge incidents: {len(incidents)} ({done} done)")
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self.interval):
-            say(self.line())
-
-
-def say(text: str) -> None:
-    print(f"[{datetime.datetime.now():%H:%M:%S}] {text}", flush=True)
+    parser.add_argument("--plain", action="store_true",
+                        help="print status lines instead of the live view (the default when the "
+                             "output is not a terminal)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -89,7 +52,8 @@ def run(args: argparse.Namespace) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, interrupted)
-    status = StatusPrinter(stack)
+    console = make_console(stack, live=sys.stdout.isatty() and not args.plain)
+    say = console.event
     try:
         say(f"starting Prometheus, Alertmanager, sidecar and bridge; run folder {folder}")
         stack.start()
@@ -97,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
             f"sidecar {stack.url['sidecar']}  bridge {stack.url['bridge']}")
         stack.start_job()
         say(f"training job started: {args.ranks} gloo ranks (log: {stack.logs / (RUN + '.log')})")
-        status.start()
+        console.start()
         started = time.time()
         scenario = Scenario(stack, on_event=say,
                             detect_timeout=max(60.0, args.duration / 3))
@@ -110,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             scenario.play()
             resumed = scenario.wait_for_resume()
-        status.stop()
+        console.stop()
         page = write_report(stack, scenario.records, started, time.time(), folder / "report",
                             resumed)
         print()
@@ -128,5 +92,5 @@ def run(args: argparse.Namespace) -> int:
         say("interrupted; stopping everything")
         return 130
     finally:
-        status.stop()
+        console.stop()
         stack.stop()
