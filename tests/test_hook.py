@@ -338,3 +338,13 @@ def test_files_stay_current_while_the_training_thread_is_blocked(
     from tests.support import wait_until
 
     assert wait_until(entered, timeout=5, message="entered collective in the files") == 1
+
+
+def test_time_in_eval_is_not_part_of_the_next_step(watched: tuple) -> None:  # type: ignore[type-arg]
+    handle = start(watched)
+    train(watched[0], watched[1], 2)
+    before = value(handle, "robust_step_duration_seconds_sum")
+    with handle.phase("eval"):
+        time.sleep(0.3)
+    train(watched[0], watched[1], 1)
+    assert value(handle, "robust_step_duration_seconds_sum") - before < 0.25

@@ -369,15 +369,14 @@ class Watch:
         if name not in schema.PHASES:
             raise ValueError(f"phase {name!r}: choose one of {', '.join(schema.PHASES)}")
         previous = self._phase
-        self._set_phase(name)
-        self._flush(force=True)
-        if name == "train":
-            self._last_step_end = None  # time outside training is not a step
-            self._awaiting_forward = True
+        self._enter_phase(name)
         return _PhaseScope(self, previous)
 
-    def _leave_phase(self, previous: str) -> None:
-        self._set_phase(previous)
+    def _enter_phase(self, name: str) -> None:
+        if name == "train" and self._phase != "train":
+            self._last_step_end = None  # time spent outside training is not part of a step
+            self._awaiting_forward = True
+        self._set_phase(name)
         self._flush(force=True)
 
     def set_step(self, step: int) -> None:
@@ -492,7 +491,7 @@ class _PhaseScope:
         self._previous = previous
 
     def restore(self) -> None:
-        self._watch._leave_phase(self._previous)
+        self._watch._enter_phase(self._previous)
 
     def __enter__(self) -> None:
         return None
