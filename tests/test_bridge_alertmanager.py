@@ -19,6 +19,7 @@ import yaml
 from robust_metrics.bridge.app import create_app
 from robust_metrics.bridge.config import parse
 from robust_metrics.bridge.service import Bridge
+from robust_metrics.processes import stop_process_group
 from tests.bridge_fakes import Receiver, serve_app
 from tests.support import free_port, require_binary, wait_until
 
@@ -88,7 +89,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             am = subprocess.Popen(
                 [am_bin, f"--config.file={tmp / 'am.yml'}", f"--storage.path={tmp / 'data'}",
                  f"--web.listen-address=127.0.0.1:{port}", "--cluster.listen-address=",
-                 "--log.level=warn"], stdout=log, stderr=subprocess.STDOUT)
+                 "--log.level=warn"], stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True)
             try:
                 url = f"http://127.0.0.1:{port}"
                 wait_until(lambda: am.poll() is None and httpx.get(
@@ -96,12 +98,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
                     message=f"Alertmanager ready: {(tmp / 'am.log').read_text()[-2000:]}")
                 yield Stack(bridge, url, amtool, hook, pager)
             finally:
-                am.terminate()
-                try:
-                    am.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    am.kill()
-                    am.wait(timeout=10)
+                stop_process_group(am)
                 log.close()
 
 

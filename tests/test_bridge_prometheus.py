@@ -17,6 +17,7 @@ import yaml
 from robust_metrics.bridge.app import create_app
 from robust_metrics.bridge.config import parse
 from robust_metrics.bridge.service import Bridge
+from robust_metrics.processes import stop_process_group
 from tests.bridge_fakes import FakeSidecar, alert, serve_app, webhook
 from tests.support import free_port, require_binary, wait_until
 
@@ -39,7 +40,7 @@ def test_checkpoint_with_nodes_and_acks_from_prometheus(tmp_path: Path) -> None:
         prom = subprocess.Popen(
             [prom_bin, f"--config.file={tmp_path / 'prom.yml'}",
              f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}"],
-            stdout=log, stderr=subprocess.STDOUT)
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             url = f"http://127.0.0.1:{port}"
             wait_until(lambda: httpx.get(f"{url}/api/v1/query", params={
@@ -67,10 +68,5 @@ def test_checkpoint_with_nodes_and_acks_from_prometheus(tmp_path: Path) -> None:
             assert len(s1.checkpoint_requests) == len(s2.checkpoint_requests) == 1
             assert s3.checkpoint_requests == []
         finally:
-            prom.terminate()
-            try:
-                prom.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                prom.kill()
-                prom.wait(timeout=10)
+            stop_process_group(prom, timeout=15)
             log.close()
