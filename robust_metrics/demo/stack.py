@@ -159,22 +159,22 @@ class DemoStack:
         for service in specs:
             self.services.append(service.start())
 
-    def start_job(self) -> None:
-        """Start the training job through the same `local` scheduler state the bridge uses."""
+    def _scheduler(self) -> Any:
+        """The `local` scheduler with the bridge's config, so both share the job's state."""
         from robust_metrics.bridge.schedulers.local import LocalScheduler
 
         config = dict(self._bridge_config()["schedulers"]["local"])
         config.pop("type")
-        result = LocalScheduler(config).start(RUN, reason="demo start")
+        return LocalScheduler(config)
+
+    def start_job(self) -> None:
+        """Start the training job through the same `local` scheduler state the bridge uses."""
+        result = self._scheduler().start(RUN, reason="demo start")
         if not result.ok:
             raise RuntimeError(f"could not start the training job: {result.detail}")
 
     def stop_job(self) -> None:
-        from robust_metrics.bridge.schedulers.local import LocalScheduler
-
-        config = dict(self._bridge_config()["schedulers"]["local"])
-        config.pop("type")
-        LocalScheduler(config).cancel(RUN, "demo finished")
+        self._scheduler().cancel(RUN, "demo finished")
 
     def stop(self) -> None:
         """Stop the job and every service, newest first."""
