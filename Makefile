@@ -30,6 +30,9 @@ demo: $(STAMP) system-deps
 dashboards: $(STAMP)
 	$(VENV)/bin/robust-metrics dashboards --out dashboards/
 
+rules: $(STAMP)
+	$(VENV)/bin/robust-metrics rules --format prometheus-operator --out deploy/prometheusrule.yaml
+
 bench: $(STAMP)
 	for b in bench/*.py; do $(PY) $$b || exit 1; done
 

@@ -40,7 +40,7 @@ from robust_metrics.bridge.schedulers.kubernetes import (
 )
 from tests.support import ROOT, free_port, require_binary
 
-RBAC = ROOT / "exporters" / "kubernetes" / "rbac.yaml"
+RBAC = ROOT / "deploy" / "kubernetes" / "rbac.yaml"
 TOKEN = "test-token-" + uuid.uuid4().hex[:8]
 NS = "training"
 CUSTOM = re.compile(r"^/apis/(?P<group>[^/]+)/(?P<version>[^/]+)/namespaces/(?P<ns>[^/]+)/"

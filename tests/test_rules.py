@@ -245,12 +245,12 @@ def test_prometheus_operator_object_has_the_same_groups() -> None:
 
 
 def test_committed_prometheusrule_matches_the_generator() -> None:
-    committed = (ROOT / "exporters" / "prometheusrule.yaml").read_text()
+    committed = (ROOT / "deploy" / "prometheusrule.yaml").read_text()
     generated = rules.render(GROUPS, "prometheus-operator",
                              header_args=" --format prometheus-operator")
-    assert committed == generated, ("exporters/prometheusrule.yaml is stale: run `robust-metrics "
+    assert committed == generated, ("deploy/prometheusrule.yaml is stale: run `robust-metrics "
                                     "rules --format prometheus-operator --out "
-                                    "exporters/prometheusrule.yaml`")
+                                    "deploy/prometheusrule.yaml`")
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:

@@ -22,7 +22,7 @@ job restarted without opening the bridge's audit log. An Event that cannot be wr
 fail the action (the action happened); its error is in the result's `data`.
 
 Auth is the official client's: in-cluster (the pod's service account) or a kubeconfig file and
-context. The least privileges are in exporters/kubernetes/rbac.yaml.
+context. The least privileges are in deploy/kubernetes/rbac.yaml.
 
 Config::
 
@@ -356,7 +356,7 @@ def _error(what: str, exc: Any) -> SchedulerError:
         message = json.loads(exc.body or "{}").get("message", "")
     except (ValueError, AttributeError):
         message = str(exc.body or "")[:200]
-    hint = {401: " (check the token)", 403: " (RBAC: see exporters/kubernetes/rbac.yaml)",
+    hint = {401: " (check the token)", 403: " (RBAC: see deploy/kubernetes/rbac.yaml)",
             404: " (not found)"}.get(int(exc.status or 0), "")
     return SchedulerError(f"kubernetes: {what} failed: {exc.status} {exc.reason}"
                           f"{': ' + message if message else ''}{hint}")

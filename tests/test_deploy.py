@@ -1,4 +1,4 @@
-"""The deployment files in exporters/ are valid for the tools that read them."""
+"""The deployment files in deploy/ are valid for the tools that read them."""
 
 from __future__ import annotations
 
@@ -9,19 +9,19 @@ import yaml
 
 from tests.support import ROOT, require_binary
 
-EXPORTERS = ROOT / "exporters"
+DEPLOY = ROOT / "deploy"
 
 
 def test_scrape_config_passes_promtool() -> None:
     promtool = require_binary("promtool")
-    result = subprocess.run([promtool, "check", "config", str(EXPORTERS / "prometheus" /
+    result = subprocess.run([promtool, "check", "config", str(DEPLOY / "prometheus" /
                                                              "scrape.yml")],
                             capture_output=True, text=True, timeout=30)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_daemonset_can_see_ranks_dump_stacks_and_read_sysfs_read_only() -> None:
-    docs = list(yaml.safe_load_all((EXPORTERS / "kubernetes" / "sidecar.yaml").read_text()))
+    docs = list(yaml.safe_load_all((DEPLOY / "kubernetes" / "sidecar.yaml").read_text()))
     kinds = {d["kind"]: d for d in docs}
     assert {"DaemonSet", "Service", "PodMonitor"} <= set(kinds)
     pod = kinds["DaemonSet"]["spec"]["template"]["spec"]
@@ -39,19 +39,19 @@ def test_daemonset_can_see_ranks_dump_stacks_and_read_sysfs_read_only() -> None:
 
 
 def test_slurm_scripts_parse() -> None:
-    for script in (EXPORTERS / "slurm").glob("*.sh"):
+    for script in (DEPLOY / "slurm").glob("*.sh"):
         result = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True,
                                 timeout=10)
         assert result.returncode == 0, f"{script.name}: {result.stderr}"
 
 
 def test_systemd_unit_runs_the_sidecar_on_loopback() -> None:
-    text = (EXPORTERS / "systemd" / "robust-metrics-sidecar.service").read_text()
+    text = (DEPLOY / "systemd" / "robust-metrics-sidecar.service").read_text()
     assert "robust-metrics sidecar" in text and "--listen 127.0.0.1:9741" in text
     assert "RestartPreventExitStatus=2 3" in text
     analyzer = shutil.which("systemd-analyze")
     if analyzer:
-        result = subprocess.run([analyzer, "verify", "--man=no", str(EXPORTERS / "systemd" /
+        result = subprocess.run([analyzer, "verify", "--man=no", str(DEPLOY / "systemd" /
                                                                      "robust-metrics-sidecar.service")],
                                 capture_output=True, text=True, timeout=30)
         # the ExecStart binary does not exist here; anything else is a unit error
