@@ -17,7 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "sidecar": ("robust_metrics.sidecar.main", "node exporter: rank metrics, GPU, NIC, liveness, stacks"),
     "bridge": ("robust_metrics.bridge.main", "Alertmanager webhook to checkpoint/stack/restart actions"),
     "rules": ("robust_metrics.rules", "render the alert and recording rules (plain or PrometheusRule)"),
-    "dashboards": ("robust_metrics.dashboards", "write the Grafana dashboards as JSON"),
+    "dashboards": ("robust_metrics.dashboards.cli", "write the Grafana dashboards as JSON"),
     "whatif": ("robust_metrics.analysis.whatif.cli", "what-if straggler analysis of an op trace"),
     "stacks": ("robust_metrics.analysis.stacks_cli", "localise a hang by aggregating rank stacks"),
     "schema": ("robust_metrics.schema_cli", "print the metric reference table"),
