@@ -290,6 +290,78 @@ def test_checkpoint_timeout_fails_the_chain(bridge_client: Any, tmp_path: Path) 
         assert len(row["steps"]) == 1 and hook.bodies() == []
 
 
+def test_checkpoint_without_sidecars_signals_the_run_through_the_scheduler_once(
+        bridge_client: Any, tmp_path: Path) -> None:
+    got, starts = tmp_path / "usr1.txt", tmp_path / "starts.txt"
+    script = tmp_path / "job.py"
+    script.write_text("import os, signal, time\n"
+                      f"signal.signal(signal.SIGUSR1, lambda *a: open({str(got)!r}, 'a')"
+                      ".write('usr1\\n'))\n"
+                      f"open({str(starts)!r}, 'a').write(f'{{os.getpid()}}\\n')\n"
+                      "while True:\n    time.sleep(0.05)\n")
+    raw = make_config(
+        tmp_path, [{"match": {"alertname": "Ckpt"}, "actions": ["checkpoint"]}],
+        schedulers={"local": {"type": "local", "command": [sys.executable, str(script)],
+                              "state_dir": str(tmp_path / "state"), "stop_timeout_s": 5}})
+    client = bridge_client(raw)
+    local = client.bridge.schedulers["local"]
+    try:
+        local.start("r1")
+        wait_until(lambda: starts.exists() and starts.read_text().strip(), 10)
+        for _ in range(2):  # Alertmanager re-sends: still one signal
+            post(client, webhook(alert("Ckpt", fingerprint="c", run="r1")))
+        row = settled(client, 1)[0]
+        assert row["status"] == "done", row
+        step = row["steps"][0]
+        assert step["data"]["scheduler"] == "local" and step["data"]["signal"] == "SIGUSR1"
+        assert "acknowledgement not checked: prometheus.url is not set" in step["detail"]
+        wait_until(lambda: got.exists(), 10, message="the job to get SIGUSR1")
+        time.sleep(0.3)
+        assert got.read_text() == "usr1\n"
+    finally:
+        local.cancel("r1", "test over")
+
+
+def test_checkpoint_before_restart_goes_through_the_restarts_scheduler_with_keys(
+        bridge_client: Any, tmp_path: Path) -> None:
+    with Receiver() as hook:
+        raw = make_config(
+            tmp_path, [{"match": {"alertname": "Slow"}, "scheduler": "hook",
+                        "actions": [{"type": "restart", "checkpoint_first": True}]}],
+            schedulers={"hook": {"type": "webhook", "url": hook.url, "secret": "hook-secret"},
+                        "other": {"type": "webhook", "url": hook.url + "/other"}},
+            default_scheduler="other")
+        client = bridge_client(raw)
+        post(client, webhook(alert("Slow", fingerprint="s", run="r1")))
+        row = settled(client, 1)[0]
+        assert row["status"] == "done", row
+        assert [s["action"] for s in row["steps"]] == ["checkpoint", "restart"]
+        requests = hook.requests
+        assert [r["path"] for r in requests] == ["/", "/"]
+        assert [(r["body"]["operation"], r["body"].get("signum")) for r in requests] == [
+            ("signal", 10), ("restart", None)]
+        keys = [r["headers"]["Idempotency-Key"] for r in requests]
+        assert keys == [f"{row['key']}#0", f"{row['key']}#1"], (keys, row)
+        assert all(r["signed"] for r in requests)
+
+
+def test_dry_run_checkpoint_names_the_scheduler_and_sends_nothing(bridge_client: Any,
+                                                                 tmp_path: Path) -> None:
+    with Receiver() as hook:
+        raw = make_config(
+            tmp_path, [{"match": {"alertname": "Ckpt"}, "dry_run": True,
+                        "actions": [{"type": "checkpoint", "scheduler": "hook"}]}],
+            sidecars={"urls": {"n1": "http://127.0.0.1:9"}},
+            schedulers={"hook": {"type": "webhook", "url": hook.url}})
+        client = bridge_client(raw)
+        post(client, webhook(alert("Ckpt", fingerprint="d", run="r1", node="n1")))
+        step = settled(client, 1)[0]["steps"][0]
+        assert step["status"] == "dry_run"
+        assert step["detail"] == ("would send SIGUSR1 to run r1 through scheduler hook for a "
+                                  "checkpoint")
+        assert hook.requests == []
+
+
 def test_raw_dumps_kept_when_aggregation_is_missing_or_fails(
         monkeypatch: pytest.MonkeyPatch) -> None:
     from robust_metrics.bridge import actions

@@ -1,5 +1,8 @@
 """Nodes and checkpoint acknowledgements read from a real Prometheus.
 
+Without sidecars, a checkpoint is SIGUSR1 through the scheduler; with Prometheus the bridge waits
+until every rank of the run shows a newer `robust_checkpoint_request_id` than before the signal.
+
 An alert without a `node` label: the bridge asks Prometheus (`robust_rank_info`) where the run's
 ranks are, asks those sidecars for a checkpoint, and waits until Prometheus has scraped every
 rank's `robust_checkpoint_request_id` at or above the request id (`ack_source: prometheus`).
@@ -8,6 +11,7 @@ rank's `robust_checkpoint_request_id` at or above the request id (`ack_source: p
 from __future__ import annotations
 
 import subprocess
+import sys
 from pathlib import Path
 
 import httpx
@@ -19,7 +23,8 @@ from robust_metrics.bridge.config import parse
 from robust_metrics.bridge.service import Bridge
 from robust_metrics.processes import stop_process_group
 from tests.bridge_fakes import FakeSidecar, alert, serve_app, webhook
-from tests.support import free_port, require_binary, wait_until
+from tests.prometheus_fixture import PrometheusServer, wait_for_series
+from tests.support import EXAMPLE, free_port, require_binary, wait_until
 
 pytestmark = pytest.mark.integration
 TOKEN = "prom-token"
@@ -70,3 +75,44 @@ def test_checkpoint_with_nodes_and_acks_from_prometheus(tmp_path: Path) -> None:
         finally:
             stop_process_group(prom, timeout=15)
             log.close()
+
+
+def test_checkpoint_by_signal_waits_for_every_rank_to_acknowledge_in_prometheus(
+        tmp_path: Path) -> None:
+    """No sidecar: SIGUSR1 through the `local` scheduler to a real hooked job (which serves its
+    own /metrics), acknowledged once Prometheus shows a newer request id for the rank."""
+    metrics_port, master_port = free_port(), free_port()
+    raw = {"database": str(tmp_path / "b.db"), "auth": {"bearer_token": TOKEN},
+           "schedulers": {"local": {
+               "type": "local", "state_dir": str(tmp_path / "state"), "stop_timeout_s": 5,
+               "command": [sys.executable, str(EXAMPLE), "--steps", "100000", "--step-sleep",
+                           "0.05", "--checkpoint-dir", str(tmp_path / "ckpt")],
+               "env": {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "OMP_NUM_THREADS": "1",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port),
+                       "ROBUST_METRICS_PORT": str(metrics_port)}}},
+           "rules": [{"match": {"alertname": "Ckpt"},
+                      "actions": [{"type": "checkpoint", "timeout_s": 30}]}]}
+    with PrometheusServer(tmp_path / "prom", [f"127.0.0.1:{metrics_port}"]) as prom:
+        raw["prometheus"] = {"url": prom.url}
+        bridge = Bridge(parse(raw, tmp_path))
+        local = bridge.schedulers["local"]
+        log = tmp_path / "state" / "r1.log"
+        try:
+            local.start("r1")
+            wait_for_series(prom, 'robust_rank_info{run="r1"}', timeout=90)
+            with serve_app(create_app(bridge)) as client:
+                r = client.post("/api/v1/alerts", json=webhook(alert("Ckpt", run="r1")),
+                                headers={"Authorization": f"Bearer {TOKEN}"})
+                assert r.status_code == 200
+                row = wait_until(lambda: (a := client.get(
+                    "/api/v1/actions", headers={"Authorization": f"Bearer {TOKEN}"}).json()[
+                    "actions"]) and a[0]["status"] in ("done", "failed") and a[0], 45,
+                    message="the checkpoint to be acknowledged")
+            step = row["steps"][0]
+            assert row["status"] == "done", step
+            assert step["data"]["before"] == {"0": 0.0}
+            assert step["data"]["acknowledged"] == ["0"]
+            assert "checkpoint acknowledged by ranks 0" in step["detail"]
+            assert log.read_text().count("checkpoint at step") == 1, log.read_text()
+        finally:
+            local.cancel("r1", "test over")

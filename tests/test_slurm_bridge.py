@@ -1,15 +1,17 @@
-"""The bridge drives a real Slurm: an Alertmanager notification requeues a job and drains a node.
+"""The bridge drives a real Slurm: alerts checkpoint (SIGUSR1) and requeue a job, and drain a node.
 
 The bridge runs in-process behind its real HTTP app (as in test_bridge_app.py) with a `slurm`
 scheduler pointed at the test cluster's slurmrestd; the alerts are the webhook payloads
 Alertmanager sends. What is checked is Slurm's own view: the job's restart count, the training
-script starting again, and the node's drain state and reason.
+script starting again, and the node's drain state and reason; and the training script's own log
+for the checkpoint, which reaches the job as SIGUSR1 through the scheduler (no sidecar configured).
 """
 
 from __future__ import annotations
 
 import json
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -40,6 +42,7 @@ def bridge(slurm_cluster: SlurmCluster, tmp_path: Path) -> Iterator[httpx.Client
                                    "user": "root", "token_file": "jwt",
                                    "slurm_conf": str(slurm_cluster.conf)}},
         "rules": [
+            {"name": "checkpoint", "match": {"alertname": "LossSpike"}, "actions": ["checkpoint"]},
             {"name": "requeue-hung", "match": {"alertname": "StepHang"}, "scheduler": "cluster",
              "actions": ["restart"]},
             {"name": "drain-xid", "match": {"alertname": "GpuXidError"}, "scheduler": "cluster",
@@ -64,7 +67,7 @@ def _settled(client: httpx.Client, rule: str) -> dict[str, Any]:
 
 
 @pytest.mark.integration
-def test_alerts_requeue_the_job_and_drain_the_node(slurm_cluster: SlurmCluster,
+def test_alerts_checkpoint_and_requeue_the_job_and_drain_the_node(slurm_cluster: SlurmCluster,
                                                    bridge: httpx.Client, tmp_path: Path) -> None:
     c = slurm_cluster
     log, metrics = tmp_path / "job.log", tmp_path / "metrics"
@@ -74,6 +77,17 @@ def test_alerts_requeue_the_job_and_drain_the_node(slurm_cluster: SlurmCluster,
     try:
         wait_until(lambda: list((metrics / "ranks").glob("*.json")), 90, interval=0.3,
                    message=f"job {job} to start training")
+        r = bridge.post("/api/v1/alerts", headers=AUTH, content=json.dumps(
+            webhook(alert("LossSpike", fingerprint="spike1", run=job))))
+        assert r.status_code == 200, r.text
+        done = _settled(bridge, "checkpoint")
+        assert done["status"] == "done", _actions(bridge)
+        assert done["steps"][0]["data"]["signal"] == "SIGUSR1", done
+        wait_until(lambda: "checkpoint at step" in log.read_text(), 30, interval=0.3,
+                   message=f"a checkpoint after SIGUSR1\n{log.read_text()}")
+        time.sleep(1.0)  # ~20 more steps: a second checkpoint for the same alert would show
+        assert log.read_text().count("checkpoint at step") == 1, log.read_text()
+
         r = bridge.post("/api/v1/alerts", headers=AUTH, content=json.dumps(
             webhook(alert("StepHang", fingerprint="hang1", run=job))))
         assert r.status_code == 200, r.text

@@ -4,8 +4,13 @@ Plain code that knows neither HTTP routes nor SQL: it gets a `StepContext` (the 
 step's options, a way to save progress durably) and returns an `Outcome`. The engine records
 the step as running before calling in and the outcome after, and asks `resumable()` after a crash.
 
+The `checkpoint` action asks the node sidecars (which write each rank's control file); when the
+policy configures no `sidecars`, or the step names a `scheduler`, it sends SIGUSR1 to the run
+through the scheduler instead (Slurm: `scancel --signal=USR1`), the hook's other way in.
+
 Crash behaviour per action (a step found `running` at start):
-- checkpoint: once the request ids are saved, waiting for the acknowledgement resumes;
+- checkpoint: once the request ids (or the time of the signal) are saved, waiting for the
+  acknowledgement resumes; a signal is never sent twice;
 - dump_stacks: reads only, so it runs again;
 - restart / drain_node: resumed when the scheduler can tell whether the operation completed
   (`local` records the step key with the new pid), otherwise failed, never repeated;
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import signal
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -27,6 +33,7 @@ import httpx
 from robust_metrics.bridge.config import BridgeConfig, NotifyConfig
 from robust_metrics.bridge.metrics import BridgeMetrics
 from robust_metrics.bridge.schedulers.base import ActionResult, Scheduler, SchedulerError
+from robust_metrics.bridge.sidecars import ACK_METRIC as SIGNAL_ACK
 from robust_metrics.bridge.sidecars import SidecarClient, SidecarError
 from robust_metrics.bridge.signing import signed_request
 from robust_metrics.bridge.store import Incident, Step
@@ -92,11 +99,7 @@ class Notifier:
         self._http.close()
 
 
-def _call(scheduler: Scheduler, method: str, *args: Any, key: str) -> ActionResult:
-    fn = getattr(scheduler, method)
-    if getattr(scheduler, "supports_keys", False):
-        return fn(*args, key=key)  # type: ignore[no-any-return]
-    return fn(*args)  # type: ignore[no-any-return]
+CHECKPOINT_SIGNAL = signal.SIGUSR1  # the hook's default `checkpoint_signal`
 
 
 def _analyse(dumps: list[dict[str, Any]]) -> tuple[dict[str, Any] | None, str]:
@@ -113,6 +116,10 @@ def _analyse(dumps: list[dict[str, Any]]) -> tuple[dict[str, Any] | None, str]:
         log.exception("stack analysis failed")
         return None, f"stack analysis failed ({exc!r}); raw dumps stored"
     return (dict(result) if isinstance(result, Mapping) else {"result": result}), "analysed"
+
+
+def _rank_order(rank: str) -> tuple[int, str]:
+    return (int(rank), rank) if rank.isdigit() else (1 << 30, rank)
 
 
 class Actions:
@@ -150,20 +157,19 @@ class Actions:
         if incident is None:
             return False
         if step.action == "checkpoint":
-            return bool(step.data.get("requests"))
+            return bool(step.data.get("requests") or step.data.get("signal_ms"))
         if step.action == "dump_stacks":
             return True
         if step.action in ("restart", "drain_node"):
             plan = incident.plan[step.idx] if step.idx < len(incident.plan) else {}
             scheduler = self.schedulers.get((plan.get("options") or {}).get("scheduler") or "")
-            completed = getattr(scheduler, "completed", None)
-            if completed is None or step.action == "drain_node":
+            if scheduler is None or step.action == "drain_node":
                 return False
-            return completed(incident.run, f"{incident.key}#{step.idx}") is not None
+            return scheduler.completed(incident.run, f"{incident.key}#{step.idx}") is not None
         return False
 
-    def _scheduler(self, ctx: StepContext) -> tuple[str, Scheduler]:
-        name = ctx.options.get("scheduler") or self.config.default_scheduler
+    def _scheduler(self, ctx: StepContext, name: str | None = None) -> tuple[str, Scheduler]:
+        name = name or ctx.options.get("scheduler") or self.config.default_scheduler
         if not name or name not in self.schedulers:
             raise SchedulerError(f"no scheduler {name!r} configured for {ctx.spec['type']}")
         return name, self.schedulers[name]
@@ -175,7 +181,27 @@ class Actions:
             f": {summary}" if summary else "") + f" [{ctx.key}]"
 
     # ------------------------------------------------------------------ actions
+    def _checkpoint_scheduler(self, ctx: StepContext) -> str | None:
+        """The scheduler a checkpoint goes through, or None for the sidecars.
+
+        A step's own `scheduler` wins; without configured sidecars, the checkpoint taken before
+        a restart uses the restart's scheduler, any other the default scheduler.
+        """
+        if ctx.options.get("scheduler"):
+            return str(ctx.options["scheduler"])
+        if self.config.sidecars.configured:
+            return None
+        plan = ctx.incident.plan
+        if ctx.options.get("before_restart") and ctx.idx + 1 < len(plan):
+            after = (plan[ctx.idx + 1].get("options") or {}).get("scheduler")
+            if after:
+                return str(after)
+        return self.config.default_scheduler
+
     def _checkpoint(self, ctx: StepContext) -> Outcome:
+        scheduler = self._checkpoint_scheduler(ctx)
+        if scheduler is not None:
+            return self._checkpoint_by_signal(ctx, scheduler)
         run = ctx.incident.run
         requests: dict[str, int] = dict(ctx.data.get("requests") or {})
         data: dict[str, Any] = dict(ctx.data)
@@ -225,6 +251,68 @@ class Actions:
         return Outcome("success", f"checkpoint of run {run} acknowledged by all ranks on "
                        f"{', '.join(data['acknowledged'])}", data)
 
+    def _checkpoint_by_signal(self, ctx: StepContext, name: str) -> Outcome:
+        """SIGUSR1 to the run through the scheduler, then (with Prometheus) wait until every rank
+        shows a newer `robust_checkpoint_request_id` than before the signal."""
+        name, scheduler = self._scheduler(ctx, name)
+        run = ctx.incident.run
+        data: dict[str, Any] = dict(ctx.data)
+        if "signal_ms" not in data:
+            if ctx.dry_run:
+                return Outcome("dry_run", f"would send {CHECKPOINT_SIGNAL.name} to run {run} "
+                               f"through scheduler {name} for a checkpoint", {"scheduler": name})
+            before = self._checkpoint_ids(run)
+            data = {"scheduler": name, "signal": CHECKPOINT_SIGNAL.name, "before": before,
+                    "signal_ms": time.time_ns() // 1_000_000,
+                    "deadline": time.time() + float(ctx.options.get("timeout_s", 120.0))}
+            ctx.save(data)  # from here on a crash waits for the acknowledgement, never re-signals
+            result = scheduler.signal(run, CHECKPOINT_SIGNAL, key=ctx.key)
+            data.update(result.data, delivered=result.ok)
+            ctx.save(data)
+            if not result.ok:
+                return Outcome("failed", result.detail, data)
+            data["detail"] = result.detail
+        sent = str(data.get("detail") or f"{data['signal']} sent to run {run} through {name}")
+        if not self.sidecars.prometheus_url:
+            if not data.get("delivered"):
+                return Outcome("failed", f"the bridge stopped while sending {data['signal']} to "
+                               f"run {run}; whether it arrived is unknown (no prometheus.url to "
+                               "read the acknowledgement from)", data)
+            return Outcome("success", f"{sent}; acknowledgement not checked: prometheus.url is "
+                           "not set", data)
+        return self._await_checkpoint_ids(ctx, data, sent)
+
+    def _checkpoint_ids(self, run: str) -> dict[str, float]:
+        """rank -> newest checkpoint request id each rank of the run acknowledged (0: none)."""
+        if not self.sidecars.prometheus_url:
+            return {}
+        return self.sidecars.checkpoint_ids(run)
+
+    def _await_checkpoint_ids(self, ctx: StepContext, data: dict[str, Any],
+                              sent: str) -> Outcome:
+        run = ctx.incident.run
+        before: dict[str, float] = dict(data.get("before") or {})
+        deadline = float(data.get("deadline", time.time()))
+        while True:
+            try:
+                now = self.sidecars.checkpoint_ids(run)
+            except SidecarError as exc:
+                now, why = {}, str(exc)
+            else:
+                why = f"Prometheus shows no {SIGNAL_ACK} of run {run}"
+            waiting = sorted((r for r in now if now[r] <= before.get(r, 0.0)), key=_rank_order)
+            if now and not waiting:
+                data["acknowledged"] = sorted(now, key=_rank_order)
+                return Outcome("success", f"{sent}; checkpoint acknowledged by ranks "
+                               f"{', '.join(data['acknowledged'])}", data)
+            if waiting:
+                why = f"ranks {', '.join(waiting)} have not acknowledged a new checkpoint request"
+            if time.time() >= deadline:
+                return Outcome("failed", f"{sent}; checkpoint not acknowledged before the "
+                               f"timeout: {why}", data)
+            if self.stop.wait(self.config.sidecars.ack_poll_s):
+                raise Interrupted()
+
     def _dump_stacks(self, ctx: StepContext) -> Outcome:
         run = ctx.incident.run
         nodes = self.sidecars.nodes(run, ctx.incident.labels)
@@ -273,11 +361,10 @@ class Actions:
         run = ctx.incident.run
         if ctx.dry_run:
             return Outcome("dry_run", f"would restart run {run} through scheduler {name}")
-        completed = getattr(scheduler, "completed", None)
-        if ctx.resumed and completed is not None and completed(run, ctx.key):
+        if ctx.resumed and scheduler.completed(run, ctx.key):
             return Outcome("success", f"restart of run {run} had completed before the bridge "
                            "restarted", {"scheduler": name})
-        result = _call(scheduler, "restart", run, self._reason(ctx), key=ctx.key)
+        result = scheduler.restart(run, self._reason(ctx), key=ctx.key)
         return Outcome("success" if result.ok else "failed", result.detail,
                        {"scheduler": name, **result.data})
 
@@ -288,7 +375,7 @@ class Actions:
             return Outcome("failed", "drain_node needs a `node` label on the alert")
         if ctx.dry_run:
             return Outcome("dry_run", f"would drain node {node} through scheduler {name}")
-        result = _call(scheduler, "drain_node", node, self._reason(ctx), key=ctx.key)
+        result = scheduler.drain_node(node, self._reason(ctx), key=ctx.key)
         return Outcome("success" if result.ok else "failed", result.detail,
                        {"scheduler": name, "node": node, **result.data})
 

@@ -57,6 +57,7 @@ class SidecarConfig:
     timeout_s: float = 5.0
     ack_source: str = "sidecar"  # or "prometheus"
     ack_poll_s: float = 1.0
+    configured: bool = True  # False: the policy has no `sidecars` block (checkpoints by signal)
 
     def url(self, node: str) -> str:
         return self.urls.get(node) or self.url_template.format(node=node)
@@ -208,7 +209,8 @@ def _secret(data: Mapping[str, Any], key: str, where: str, base: Path) -> str | 
 
 # Per action type: option -> (kind, default). `scheduler` names an entry of `schedulers`.
 _ACTION_OPTIONS: dict[str, dict[str, tuple[str, Any]]] = {
-    "checkpoint": {"timeout_s": ("number", 120.0), "at_step": ("int", None)},
+    "checkpoint": {"timeout_s": ("number", 120.0), "at_step": ("int", None),
+                   "scheduler": ("scheduler", None)},
     "dump_stacks": {},
     "restart": {"scheduler": ("scheduler", None), "checkpoint_first": ("bool", False),
                 "require_checkpoint": ("bool", False), "checkpoint_timeout_s": ("number", 120.0)},
@@ -381,6 +383,7 @@ def parse(raw: Any, base_dir: str | Path = ".") -> BridgeConfig:
         url_template=template, urls=dict(urls), token=_secret(side, "token", "sidecars", base),
         timeout_s=float(_num(side, "timeout_s", "sidecars", 5.0)), ack_source=ack_source,
         ack_poll_s=float(_num(side, "ack_poll_s", "sidecars", 1.0)),
+        configured=data.get("sidecars") is not None,
     )
 
     schedulers = _schedulers(data.get("schedulers"), base)

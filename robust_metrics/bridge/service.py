@@ -49,9 +49,7 @@ class Bridge:
         if self.actions.notifier is not None:
             self.actions.notifier.close()
         for scheduler in self.schedulers.values():
-            close = getattr(scheduler, "close", None)
-            if callable(close):
-                close()
+            scheduler.close()
         self.store.close()
 
     def handle(self, notification: Notification) -> dict[str, Any]:

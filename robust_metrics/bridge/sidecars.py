@@ -81,6 +81,15 @@ class SidecarClient:
             raise SidecarError(f"Prometheus knows no ranks of run {run!r} ({INFO_METRIC})")
         return nodes
 
+    def checkpoint_ids(self, run: str) -> dict[str, float]:
+        """rank -> newest checkpoint request id the rank acknowledged, for every rank of the run
+        Prometheus knows (from its info series; 0 for a rank that never acknowledged one)."""
+        sel = f"{{run={_promql_string(run)}}}"
+        result = self.query(f"max by (rank) ({ACK_METRIC}{sel}) or on(rank) "
+                            f"(0 * max by (rank) ({INFO_METRIC}{sel}))")
+        return {r["metric"]["rank"]: float(r["value"][1]) for r in result
+                if "rank" in r.get("metric", {})}
+
     # ------------------------------------------------------------------ sidecar
     def _call(self, method: str, node: str, path: str, **kwargs: Any) -> httpx.Response:
         url = self.config.url(node).rstrip("/") + path

@@ -36,22 +36,46 @@ class ActionResult:
 
 @runtime_checkable
 class Scheduler(Protocol):
+    """What the bridge asks of a job scheduler; every adapter implements all of it.
+
+    Exactly-once rests on three parts of this contract:
+
+    - `key`: every operation gets the bridge step's idempotency key (`<incident>#<step>`).
+      An adapter passes it on where the scheduler can keep it (the `local` state file, the
+      webhook's `Idempotency-Key` header) and ignores it where it cannot (Slurm, Kubernetes).
+    - `completed(run, key)`: after a crash of the bridge, whether operation `key` finished
+      (True), did not (False), or cannot be known (None). Only True resumes a step as done;
+      None fails it rather than repeat a restart.
+    - `close()`: release connections and reap children when the bridge stops.
+
+    `signal` is how the `checkpoint` action reaches the ranks when no sidecar is configured
+    (SIGUSR1); an adapter whose scheduler cannot signal raises `SchedulerError` saying so.
+    """
+
     name: str
 
-    def signal(self, run: str, signum: int) -> ActionResult:
+    def signal(self, run: str, signum: int, *, key: str | None = None) -> ActionResult:
         """Send a signal to every task of the run (SIGUSR1 asks the hook for a checkpoint)."""
         ...
 
-    def restart(self, run: str, reason: str) -> ActionResult:
+    def restart(self, run: str, reason: str, *, key: str | None = None) -> ActionResult:
         """Stop the run's processes and start them again (they resume from their checkpoint)."""
         ...
 
-    def drain_node(self, node: str, reason: str) -> ActionResult:
+    def drain_node(self, node: str, reason: str, *, key: str | None = None) -> ActionResult:
         """Take a node out of scheduling, naming the alert that caused it."""
         ...
 
-    def cancel(self, run: str, reason: str) -> ActionResult:
+    def cancel(self, run: str, reason: str, *, key: str | None = None) -> ActionResult:
         """Stop the run for good."""
+        ...
+
+    def completed(self, run: str, key: str) -> bool | None:
+        """Whether the operation with idempotency key `key` finished; None when unknowable."""
+        ...
+
+    def close(self) -> None:
+        """Release what the adapter holds (connections, child processes); called once at stop."""
         ...
 
 

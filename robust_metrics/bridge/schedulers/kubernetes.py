@@ -12,7 +12,7 @@ JobSet name, in one namespace per adapter. What each operation sends to the API 
 |            | reason in an annotation; POST an Event on the Node.                              |
 | cancel     | GET the job, POST an Event on it, DELETE it (background propagation).           |
 | signal     | refused: Kubernetes has no signal API; the bridge's `checkpoint` action asks the |
-|            | node sidecar instead.                                                            |
+|            | node sidecar instead (configure `sidecars`).                                     |
 
 Cordon only: evicting the pods of a synchronous training job one by one would only turn one
 failure into many, so the job is restarted by `restart` and the new pods avoid the node.
@@ -126,11 +126,12 @@ class KubernetesScheduler:
         self.custom = client.CustomObjectsApi(self.api)
 
     # ------------------------------------------------------------------ operations
-    def signal(self, run: str, signum: int) -> ActionResult:
-        raise SchedulerError("kubernetes: there is no API to signal a pod's processes; use the "
-                             "`checkpoint` action (it asks the node sidecar) instead of a signal")
+    def signal(self, run: str, signum: int, *, key: str | None = None) -> ActionResult:
+        raise SchedulerError("kubernetes: there is no API to signal a pod's processes, so a "
+                             "checkpoint cannot go through this scheduler; configure `sidecars` "
+                             "(the node sidecar passes the request to the ranks)")
 
-    def restart(self, run: str, reason: str) -> ActionResult:
+    def restart(self, run: str, reason: str, *, key: str | None = None) -> ActionResult:
         job = self._get_job(run)
         restart = self._restart_by_suspend if self.restart_strategy == "suspend" else (
             self._delete_pods)
@@ -142,7 +143,7 @@ class KubernetesScheduler:
                             f"{self.restart_strategy.replace('_', ' ')}: {len(pods)} pod(s)",
                             {"pods": pods, "strategy": self.restart_strategy, **event})
 
-    def drain_node(self, node: str, reason: str) -> ActionResult:
+    def drain_node(self, node: str, reason: str, *, key: str | None = None) -> ActionResult:
         _check_name(node, "node")
         text = _clean(reason)
         patch = {"spec": {"unschedulable": True},
@@ -155,7 +156,7 @@ class KubernetesScheduler:
                             namespace=self.node_event_namespace)
         return ActionResult(True, f"cordoned node {node}: {text}", {"node": node, **event})
 
-    def cancel(self, run: str, reason: str) -> ActionResult:
+    def cancel(self, run: str, reason: str, *, key: str | None = None) -> ActionResult:
         job = self._get_job(run)
         event = self._event(job, "RobustMetricsCancel", _clean(reason))
         k = self.kind
@@ -164,6 +165,10 @@ class KubernetesScheduler:
                 k.group, k.version, self.namespace, k.plural, run,
                 body={"propagationPolicy": "Background"}, _request_timeout=self.timeout_s)))
         return ActionResult(True, f"deleted {k.kind} {self.namespace}/{run}", event)
+
+    def completed(self, run: str, key: str) -> bool | None:
+        """The API server keeps no operation keys: an interrupted restart is failed, not repeated."""
+        return None
 
     def close(self) -> None:
         """Release the client's connection pool (the bridge calls this at shutdown)."""

@@ -52,7 +52,6 @@ class LocalScheduler:
     """Start, restart, signal and stop one process group per run."""
 
     name = "local"
-    supports_keys = True
 
     def __init__(self, config: Mapping[str, Any]) -> None:
         check_keys(config, _KEYS, "local")

@@ -96,7 +96,7 @@ class SlurmScheduler:
         self._cli_env = {**os.environ, **({"SLURM_CONF": str(base / str(conf))} if conf else {})}
 
     # ------------------------------------------------------------------ operations
-    def signal(self, run: str, signum: int) -> ActionResult:
+    def signal(self, run: str, signum: int, *, key: str | None = None) -> ActionResult:
         job = _job_id(run)
         try:
             name = signal_module.Signals(signum).name
@@ -112,7 +112,7 @@ class SlurmScheduler:
         return ActionResult(True, f"sent {name} to job {job} ({self.signal_scope}) via {how}",
                             {"job_id": job, "signal": name})
 
-    def restart(self, run: str, reason: str) -> ActionResult:
+    def restart(self, run: str, reason: str, *, key: str | None = None) -> ActionResult:
         """Requeue: Slurm stops the job and starts it again; it resumes from its checkpoint."""
         job = _job_id(run)
         self._cli([self.scontrol, "requeue", job])
@@ -120,7 +120,7 @@ class SlurmScheduler:
         return ActionResult(True, f"requeued job {job} ({_clean(reason)})",
                             {"job_id": job, **({"job_state": state} if state else {})})
 
-    def cancel(self, run: str, reason: str) -> ActionResult:
+    def cancel(self, run: str, reason: str, *, key: str | None = None) -> ActionResult:
         job = _job_id(run)
         if self.url:
             self._rest("DELETE", f"/job/{job}")
@@ -128,13 +128,21 @@ class SlurmScheduler:
             self._cli([self.scancel, job])
         return ActionResult(True, f"cancelled job {job} ({_clean(reason)})", {"job_id": job})
 
-    def drain_node(self, node: str, reason: str) -> ActionResult:
+    def drain_node(self, node: str, reason: str, *, key: str | None = None) -> ActionResult:
         """Drain: running jobs finish (state DRAINING), nothing new starts (then DRAINED)."""
         if not isinstance(node, str) or not _NODE.match(node):
             raise SchedulerError(f"slurm: {node!r} is not a node name")
         text = _clean(reason) or "robust-metrics"
         self._cli([self.scontrol, "update", f"NodeName={node}", "State=DRAIN", f"Reason={text}"])
         return ActionResult(True, f"drained node {node}: {text}", {"node": node, "reason": text})
+
+    def completed(self, run: str, key: str) -> bool | None:
+        """Slurm keeps no operation keys: whether a requeue went through cannot be told apart
+        from an earlier one, so an interrupted restart is failed, never repeated."""
+        return None
+
+    def close(self) -> None:
+        """Nothing to release: every request opens and closes its own connection."""
 
     def job(self, run: str) -> dict[str, Any]:
         """The job as slurmrestd describes it (job_state, restart_cnt, nodes, ...)."""

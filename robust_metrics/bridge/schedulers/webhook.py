@@ -56,7 +56,6 @@ class WebhookScheduler:
     """Scheduler operations as signed HTTP POSTs; a 2xx answer means the receiver took it."""
 
     name = "webhook"
-    supports_keys = True
 
     def __init__(self, config: Mapping[str, Any]) -> None:
         check_keys(config, _KEYS, "webhook")
