@@ -1,0 +1,140 @@
+"""The bridge against a hostile but honest job: labels, payloads and state files it can shape.
+
+A training job sets its own labels (`ROBUST_METRICS_NODE` becomes the `node` label of
+`robust_rank_info` and of the alerts built on it), so everything here is what a user of a shared
+cluster can send without credentials of the bridge. Real HTTP servers stand in for the attacker.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from robust_metrics.bridge.app import create_app
+from robust_metrics.bridge.config import SidecarEndpoints, parse
+from robust_metrics.bridge.service import Bridge
+from robust_metrics.sidecar import config as sidecar_config
+from tests.bridge_fakes import FakeSidecar, Recorder, alert, serve_app, webhook
+from tests.support import ROOT, wait_until
+
+TOKEN = "hostile-tests-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
+FINAL = {"done", "failed", "skipped", "cancelled"}
+
+
+@pytest.fixture
+def start_bridge(tmp_path: Path) -> Iterator[Any]:
+    """Factory: `start(raw_policy)` -> httpx.Client of a served bridge with its engine running."""
+    servers: list[Any] = []
+
+    def start(raw: dict[str, Any]) -> httpx.Client:
+        raw = {"database": str(tmp_path / "bridge.db"), "auth": {"bearer_token": TOKEN},
+               "workers": 2, **raw}
+        server = serve_app(create_app(Bridge(parse(raw, tmp_path))))
+        client = server.__enter__()
+        servers.append(server)
+        return client
+
+    try:
+        yield start
+    finally:
+        for s in servers:
+            s.__exit__(None, None, None)
+
+
+def post(client: httpx.Client, payload: Any) -> httpx.Response:
+    return client.post("/api/v1/alerts", content=json.dumps(payload), headers=AUTH)
+
+
+def settled(client: httpx.Client, n: int) -> list[dict[str, Any]]:
+    def rows() -> list[dict[str, Any]] | None:
+        r = client.get("/api/v1/actions", headers=AUTH)
+        assert r.status_code == 200, r.text
+        got = r.json()["actions"]
+        return got if len(got) >= n and all(i["status"] in FINAL for i in got) else None
+
+    return list(wait_until(rows, 30, message=f"{n} settled incidents"))
+
+
+# ----------------------------------------------------------------------------- labels never address
+def hostile_nodes(port: int) -> list[str]:
+    return [f"127.0.0.1:{port}/steal?x=", f"127.0.0.1:{port}#", f"u@127.0.0.1:{port}/",
+            f"127.0.0.1:{port}", f"localhost:{port}/x", "127.0.0.1", "localhost",
+            f"n1@127.0.0.1:{port}", f"[::1]:{port}", f"127.0.0.1:{port}\\", "n1/../x",
+            f"http://127.0.0.1:{port}/"]
+
+
+@pytest.mark.parametrize("layout", ["urls only", "template and host set"])
+def test_a_node_label_never_receives_the_sidecar_token(start_bridge: Any, layout: str) -> None:
+    with Recorder() as evil, FakeSidecar(node="n1", run="r1", ranks=[0]) as side:
+        sidecars: dict[str, Any] = {"urls": {"n1": side.url}, "token": "side-token",
+                                    "ack_poll_s": 0.05}
+        if layout == "template and host set":
+            # The template even points at the attacker's port: only the host set protects it.
+            sidecars |= {"url_template": f"http://{{node}}:{evil.port}", "node_re": "n[0-9]"}
+        client = start_bridge({"sidecars": sidecars, "rules": [
+            {"name": "stacks", "match": {"alertname": "Stacks"}, "actions": ["dump_stacks"]},
+            {"name": "ckpt", "match": {"alertname": "Ckpt"},
+             "actions": [{"type": "checkpoint", "timeout_s": 0.5}]}]})
+        nodes = hostile_nodes(evil.port)
+        sent = []
+        for i, node in enumerate(nodes):
+            sent.append(alert("Stacks", fingerprint=f"s{i}", run="r1", node=node))
+            sent.append(alert("Ckpt", fingerprint=f"c{i}", run="r1", node=node))
+        sent.append(alert("Stacks", fingerprint="mixed", run="r1", nodes=f"n1,{nodes[0]}"))
+        assert post(client, webhook(*sent)).status_code == 200
+        rows = {r["fingerprint"]: r for r in settled(client, len(sent))}
+        assert evil.requests == []
+        for i in range(len(nodes)):
+            for kind in "sc":
+                row = rows[f"{kind}{i}"]
+                assert row["status"] == "failed", row
+                assert "not a configured sidecar host" in row["steps"][0]["detail"], row
+        mixed = rows["mixed"]["steps"][0]
+        assert side.stack_requests == 1 and "n1" in mixed["data"]["nodes"]
+        assert "not a configured sidecar host" in mixed["data"]["errors"][nodes[0]]
+
+
+def test_sidecar_url_only_for_configured_hosts() -> None:
+    import re
+
+    ends = SidecarEndpoints(url_template="http://{node}:9741", urls={"a:1": "http://x:1"},
+                            nodes=frozenset({"gpu-001"}), node_re=re.compile(r"gpu-\d{3}"))
+    assert ends.url("gpu-001") == "http://gpu-001:9741"
+    assert ends.url("gpu-002") == "http://gpu-002:9741"
+    assert ends.url("a:1") == "http://x:1"  # configured verbatim: an exact key, not a pattern
+    for name in ("gpu-0011", "gpu-001:80", "gpu-001/", "gpu-001.evil", "", "gpu-001\n",
+                 "x@gpu-001", "GPU-001 ", "gpu-001?"):
+        assert ends.url(name) is None, name
+    assert SidecarEndpoints().url("anything") is None  # no host set: nothing is addressable
+
+
+def test_url_template_needs_a_host_set() -> None:
+    from robust_metrics.bridge.config import ConfigError
+
+    raw = {"auth": {"bearer_token": "t"},
+           "rules": [{"match": {"a": "b"}, "actions": ["dump_stacks"]}]}
+    with pytest.raises(ConfigError, match=r"sidecars\.nodes or sidecars\.node_re"):
+        parse({**raw, "sidecars": {"url_template": "http://{node}:9741"}})
+    with pytest.raises(ConfigError, match=r"sidecars\.nodes: expected a list of host names"):
+        parse({**raw, "sidecars": {"url_template": "http://{node}:9741", "nodes": ["a:1"]}})
+    ok = parse({**raw, "sidecars": {"url_template": "http://{node}:9741", "nodes": ["n1"]}})
+    assert ok.sidecars.url("n1") == "http://n1:9741" and ok.sidecars.url("n2") is None
+
+
+def test_default_sidecar_port_is_the_sidecars() -> None:
+    """The bridge's default template, docs/bridge.md and the example policy all use the port the
+    sidecar listens on by default."""
+    port = sidecar_config.DEFAULT_PORT
+    raw = {"auth": {"bearer_token": "t"}, "rules": [{"match": {"a": "b"}, "actions": ["notify"]}],
+           "notify": {"url": "http://127.0.0.1:1"}}
+    assert parse(raw).sidecars.url_template == f"http://{{node}}:{port}"
+    example = yaml.safe_load((ROOT / "examples" / "bridge.yaml").read_text())
+    assert example["sidecars"]["url_template"].endswith(f":{port}")
+    assert f"`http://{{node}}:{port}`" in (ROOT / "docs" / "bridge.md").read_text()
