@@ -138,3 +138,76 @@ def test_default_sidecar_port_is_the_sidecars() -> None:
     example = yaml.safe_load((ROOT / "examples" / "bridge.yaml").read_text())
     assert example["sidecars"]["url_template"].endswith(f":{port}")
     assert f"`http://{{node}}:{port}`" in (ROOT / "docs" / "bridge.md").read_text()
+
+
+# ----------------------------------------------------------------------------- the action log
+def _filled_log(path: Path, n: int = 300) -> None:
+    from robust_metrics.bridge.store import ActionStore, NewAlert
+
+    store = ActionStore(str(path))
+    store.accept([NewAlert(f"f{i}", "2026-01-01T00:00:00Z", "r1", "A", {"alertname": "A"}, {},
+                           "rule", [{"type": "notify"}], 0.0) for i in range(n)])
+    store.close()
+
+
+def _start_cli(tmp_path: Path, db: Path) -> Any:
+    import subprocess
+    import sys
+
+    policy = tmp_path / "bridge.yaml"
+    policy.write_text(yaml.safe_dump({
+        "database": str(db), "auth": {"bearer_token": TOKEN},
+        "rules": [{"match": {"alertname": "A"}, "actions": ["dump_stacks"]}]}))
+    return subprocess.run([sys.executable, "-m", "robust_metrics", "bridge", "--config",
+                           str(policy), "--port", "1"], capture_output=True, text=True,
+                          timeout=60, cwd=ROOT)
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "zero bytes", "foreign database"])
+def test_unusable_action_log_stops_the_start_with_one_line(tmp_path: Path, damage: str) -> None:
+    import sqlite3
+
+    db = tmp_path / "bridge.db"
+    if damage == "garbage":
+        db.write_bytes(b"\x00garbage, not SQLite\n" * 200)
+    elif damage == "truncated":
+        _filled_log(db)
+        data = db.read_bytes()
+        db.write_bytes(data[:len(data) // 2])
+    elif damage == "zero bytes":
+        _filled_log(db)
+        db.write_bytes(b"")
+    else:
+        other = sqlite3.connect(db)
+        other.execute("CREATE TABLE notes (x)")
+        other.commit()
+        other.close()
+    before = db.read_bytes()
+    out = _start_cli(tmp_path, db)
+    assert out.returncode == 2, (out.returncode, out.stderr)
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1, out.stderr  # one line, no traceback
+    assert str(db) in lines[0] and f"mv {db} {db}.bad" in lines[0], lines[0]
+    assert "Traceback" not in out.stderr
+    assert db.read_bytes() == before  # refused without touching the evidence
+
+
+def test_a_log_written_before_the_header_existed_still_opens(tmp_path: Path) -> None:
+    """A log from a bridge version without the `meta` row keeps its history."""
+    import sqlite3
+
+    from robust_metrics.bridge.store import ActionStore
+
+    db = tmp_path / "old.db"
+    _filled_log(db, 3)
+    raw = sqlite3.connect(db)
+    raw.execute("DROP TABLE meta")
+    raw.commit()
+    raw.close()
+    store = ActionStore(str(db))
+    try:
+        assert len(store.list(limit=10)) == 3
+    finally:
+        store.close()
+    store = ActionStore(str(tmp_path / "new.db"))  # a path that does not exist: a new log
+    store.close()

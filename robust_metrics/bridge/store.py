@@ -5,6 +5,12 @@ once under a UNIQUE key, so re-sent and grouped notifications find their row and
 row is committed as `running` *before* its side effect and finished after it, so a bridge killed
 mid-action finds the row on restart and resumes or fails it, and never starts it a second time.
 
+The log identifies itself: the bridge creates it with a `meta` row (`format`), and refuses to start
+on a file that is not one (garbage, truncated, malformed, or emptied to 0 bytes) with
+`ActionLogError`, whose one-line message names the file and how to move it aside. An emptied log
+must never start silently: it has forgotten which alerts were handled, and Alertmanager's next
+re-send of a handled alert would act again.
+
 Incident statuses: pending (waiting for a worker or for its `for` guard), running, done, failed,
 skipped (cooldown), cancelled (resolved before it acted), ignored (no rule matched).
 Step statuses: running, success, failed, skipped, dry_run.
@@ -14,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import queue
 import sqlite3
 import threading
@@ -23,7 +30,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ActionStore", "Incident", "NewAlert", "Step", "incident_key"]
+__all__ = ["ActionLogError", "ActionStore", "Incident", "NewAlert", "Step", "incident_key"]
+
+LOG_FORMAT = "robust-metrics-bridge-action-log/1"
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS incidents (
@@ -59,7 +68,65 @@ CREATE TABLE IF NOT EXISTS steps (
     PRIMARY KEY (incident_id, idx)
 );
 CREATE INDEX IF NOT EXISTS steps_action ON steps(action, started);
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
+
+
+class ActionLogError(RuntimeError):
+    """The action log cannot be used as it is; the message is one line naming the file and what
+    to do (the bridge exits with status 2 rather than start without its history)."""
+
+
+def _move_aside_hint(path: str) -> str:
+    return (f"if it cannot be restored from a backup, move it aside (mv {path} {path}.bad; "
+            f"likewise {path}-wal and {path}-shm if present) to start a new, empty log "
+            "(see 'The action log' in docs/bridge.md)")
+
+
+def _open_log(path: str) -> sqlite3.Connection:
+    """Connect, check integrity and identity, create the schema; ActionLogError when unusable."""
+    existed = path != ":memory:" and os.path.exists(path)
+    try:
+        db = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=30)
+    except sqlite3.Error as exc:
+        raise ActionLogError(f"action log {path}: cannot open it: {exc}") from None
+    try:
+        db.row_factory = sqlite3.Row
+        # Read-only checks first: a refused file is left exactly as it was found.
+        problems = [r[0] for r in db.execute("PRAGMA quick_check").fetchall()]
+        if problems != ["ok"]:
+            raise sqlite3.DatabaseError("; ".join(problems[:3]))
+        tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        if existed and "incidents" not in tables:
+            raise ActionLogError(f"action log {path} holds no action log (empty or foreign "
+                                 "file; the bridge writes a header into every log it creates): "
+                                 "its history is gone, and re-sent alerts would act again; "
+                                 + _move_aside_hint(path))
+        if "meta" in tables:
+            row = db.execute("SELECT value FROM meta WHERE key='format'").fetchone()
+            if row is None or row[0] != LOG_FORMAT:
+                raise ActionLogError(f"action log {path} has format {row and row[0]!r}, not "
+                                     f"{LOG_FORMAT!r}; " + _move_aside_hint(path))
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=FULL")  # a committed step row survives power loss
+        db.execute("PRAGMA foreign_keys=ON")
+        db.executescript(_SCHEMA)
+        db.execute("INSERT OR IGNORE INTO meta (key, value) VALUES ('format', ?)", (LOG_FORMAT,))
+    except ActionLogError:
+        db.close()
+        raise
+    except sqlite3.OperationalError as exc:
+        db.close()
+        if "locked" in str(exc):
+            raise ActionLogError(f"action log {path} is locked by another process (is another "
+                                 f"bridge using it?): {exc}") from None
+        raise ActionLogError(f"action log {path} is unusable ({exc}); "
+                             + _move_aside_hint(path)) from None
+    except sqlite3.DatabaseError as exc:
+        db.close()
+        raise ActionLogError(f"action log {path} is corrupt ({exc}); "
+                             + _move_aside_hint(path)) from None
+    return db
 
 FINAL_INCIDENT = ("done", "failed", "skipped", "cancelled", "ignored")
 
@@ -168,13 +235,7 @@ class ActionStore:
     def __init__(self, path: str) -> None:
         self.path = path
         self._lock = threading.RLock()
-        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None,
-                                   timeout=30)
-        self._db.row_factory = sqlite3.Row
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")  # a committed step row survives power loss
-        self._db.execute("PRAGMA foreign_keys=ON")
-        self._db.executescript(_SCHEMA)
+        self._db = _open_log(path)
         self._writes: queue.SimpleQueue[_Write | None] = queue.SimpleQueue()
         self._writer = threading.Thread(target=self._write_loop, name="bridge-store-writer",
                                         daemon=True)
