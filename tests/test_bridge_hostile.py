@@ -8,6 +8,7 @@ cluster can send without credentials of the bridge. Real HTTP servers stand in f
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -211,3 +212,103 @@ def test_a_log_written_before_the_header_existed_still_opens(tmp_path: Path) -> 
         store.close()
     store = ActionStore(str(tmp_path / "new.db"))  # a path that does not exist: a new log
     store.close()
+
+
+# ----------------------------------------------------------------------------- keys and label text
+SPELLINGS = ["2026-01-01T00:00:00.5Z", "2026-01-01T00:00:00.500000000+00:00",
+             "2026-01-01T02:00:00.5+02:00", "2025-12-31t19:00:00.50-05:00"]
+
+
+def test_spellings_of_one_start_time_act_once(start_bridge: Any) -> None:
+    from tests.bridge_fakes import Receiver
+
+    with Receiver() as hook:
+        client = start_bridge({
+            "schedulers": {"hook": {"type": "webhook", "url": hook.url}},
+            "rules": [{"match": {"action": "restart"}, "actions": ["restart"]}]})
+        for spelling in SPELLINGS:
+            r = post(client, webhook(alert("Hang", fingerprint="same", run="r1",
+                                           action="restart", starts_at=spelling)))
+            assert r.status_code == 200, r.text
+        rows = settled(client, 1)
+        assert len(rows) == 1 and rows[0]["notifications"] == 4, rows
+        assert rows[0]["starts_at"] == "2026-01-01T00:00:00.5Z"
+        time.sleep(0.3)  # a second incident would have been claimed by now
+        assert len(hook.bodies()) == 1
+        # A resolution spelt another way still finds (and here: leaves alone) the same instance.
+        r = post(client, webhook(alert("Hang", status="resolved", fingerprint="same", run="r1",
+                                       action="restart", starts_at=SPELLINGS[2])))
+        assert r.status_code == 200 and len(settled(client, 1)) == 1
+
+
+def test_canonical_time_is_one_spelling_per_instant() -> None:
+    from robust_metrics.bridge.payload import PayloadError, canonical_time, incident_key
+
+    assert {canonical_time(s) for s in SPELLINGS} == {"2026-01-01T00:00:00.5Z"}
+    assert canonical_time("2026-01-01T00:00:00.123456789Z") == "2026-01-01T00:00:00.123456789Z"
+    assert canonical_time("2026-01-01T00:00:00.123456780Z") == "2026-01-01T00:00:00.12345678Z"
+    assert canonical_time("2026-01-01T00:00:00.000Z") == "2026-01-01T00:00:00Z"
+    # Instants a nanosecond apart stay apart (Alertmanager keeps nanoseconds).
+    assert incident_key("f", "2026-01-01T00:00:00.000000001Z") != incident_key(
+        "f", "2026-01-01T00:00:00Z")
+    for out_of_range in ("0001-01-01T00:00:00+02:00", "9999-12-31T23:59:59-02:00"):
+        with pytest.raises(ValueError):
+            canonical_time(out_of_range)
+    assert issubclass(PayloadError, ValueError)
+
+
+def test_a_non_ascii_fingerprint_can_act(start_bridge: Any) -> None:
+    from urllib.parse import unquote
+
+    from tests.bridge_fakes import Receiver
+
+    fingerprint = "fé-指纹 \n%"
+    with Receiver() as hook:
+        client = start_bridge({
+            "schedulers": {"hook": {"type": "webhook", "url": hook.url}},
+            "rules": [{"match": {"action": "restart"}, "actions": ["restart"]}]})
+        post(client, webhook(alert("Hang", fingerprint=fingerprint, run="r1", action="restart")))
+        row = settled(client, 1)[0]
+        assert row["status"] == "done", row
+        [request] = hook.requests
+        header = request["headers"]["Idempotency-Key"]
+        assert header.isascii() and unquote(header) == f"{row['key']}#0"
+        assert row["key"].startswith(fingerprint + "@")
+
+
+LONE = '"a\\ud800b"'  # JSON text of a string UTF-8 cannot hold
+
+
+def test_lone_surrogates_in_labels_are_stored_and_returned(start_bridge: Any) -> None:
+    client = start_bridge({"rules": [{"match_re": {"alertname": ".*"}, "dry_run": True,
+                                      "actions": ["dump_stacks"]}]})
+    body = webhook(alert("Odd", fingerprint="x", run="r1", node="n1"))
+    text = (json.dumps(body).replace('"x"', LONE).replace('"r1"', LONE)
+            .replace('"n1"', LONE).replace('"Odd test"', LONE)
+            .replace('"node"', '"n\\udfffode"'))
+    r = client.post("/api/v1/alerts", content=text, headers=AUTH)
+    assert r.status_code == 200, r.text
+    assert r.json()["accepted"] == 1
+    row = settled(client, 1)[0]
+    assert row["fingerprint"] == row["run"] == "a\ufffdb"
+    assert row["labels"]["n\ufffdode"] == "a\ufffdb"
+    r = client.get("/api/v1/actions", headers=AUTH, params={"run": "a\ufffdb"})
+    assert r.status_code == 200 and len(r.json()["actions"]) == 1
+
+
+def test_a_surrogate_stored_by_an_older_bridge_does_not_break_the_audit_trail(
+        start_bridge: Any, tmp_path: Path) -> None:
+    import sqlite3
+
+    client = start_bridge({"rules": [{"match": {"alertname": "A"}, "actions": ["dump_stacks"]}]})
+    db = sqlite3.connect(tmp_path / "bridge.db")
+    db.execute("INSERT INTO incidents (key, fingerprint, starts_at, run, alertname, rule, labels, "
+               "annotations, plan, status, not_before, received, updated) VALUES "
+               "('k', 'f', 't', 'r', 'A', NULL, ?, '{}', '[]', 'ignored', 0, 0, 0)",
+               ('{"alertname": "A", "x": "\\ud800"}',))
+    db.execute("UPDATE incidents SET status='done' WHERE key='k'")
+    db.commit()
+    db.close()
+    r = client.get("/api/v1/actions", headers=AUTH)
+    assert r.status_code == 200, r.text
+    assert r.json()["actions"][0]["labels"]["x"] == "\ud800"

@@ -15,10 +15,10 @@ Decisions that depend on history (cooldown, restart budget) are made when the pl
 from __future__ import annotations
 
 from collections.abc import Mapping
-from datetime import datetime
 from typing import Any
 
 from robust_metrics.bridge.config import ActionSpec, BridgeConfig, Rule
+from robust_metrics.bridge.payload import parse_time
 
 __all__ = ["build_plan", "is_hang", "match_rule", "not_before", "parse_time"]
 
@@ -29,24 +29,6 @@ def match_rule(config: BridgeConfig, labels: Mapping[str, str]) -> Rule | None:
         if rule.matches(labels):
             return rule
     return None
-
-
-def parse_time(value: str) -> datetime:
-    """RFC 3339 as Alertmanager writes it (nanoseconds and `Z` included); ValueError if not."""
-    text = value.strip()
-    if text.endswith(("Z", "z")):
-        text = text[:-1] + "+00:00"
-    # Python takes at most microseconds: cut a longer fraction.
-    if "." in text:
-        head, _, rest = text.partition(".")
-        digits = ""
-        while rest and rest[0].isdigit():
-            digits, rest = digits + rest[0], rest[1:]
-        text = f"{head}.{(digits + '000000')[:6]}{rest}"
-    parsed = datetime.fromisoformat(text)
-    if parsed.tzinfo is None:
-        raise ValueError(f"time {value!r} has no time zone")
-    return parsed
 
 
 def not_before(rule: Rule, starts_at: str) -> float:

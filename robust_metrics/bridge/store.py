@@ -30,6 +30,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from robust_metrics.bridge.payload import incident_key
+
 __all__ = ["ActionLogError", "ActionStore", "Incident", "NewAlert", "Step", "incident_key"]
 
 LOG_FORMAT = "robust-metrics-bridge-action-log/1"
@@ -129,11 +131,6 @@ def _open_log(path: str) -> sqlite3.Connection:
     return db
 
 FINAL_INCIDENT = ("done", "failed", "skipped", "cancelled", "ignored")
-
-
-def incident_key(fingerprint: str, starts_at: str) -> str:
-    """The idempotency key of one alert instance (Alertmanager keeps startsAt across re-sends)."""
-    return f"{fingerprint}@{starts_at}"
 
 
 @dataclass(frozen=True)
