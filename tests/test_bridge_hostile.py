@@ -312,3 +312,38 @@ def test_a_surrogate_stored_by_an_older_bridge_does_not_break_the_audit_trail(
     r = client.get("/api/v1/actions", headers=AUTH)
     assert r.status_code == 200, r.text
     assert r.json()["actions"][0]["labels"]["x"] == "\ud800"
+
+
+# ----------------------------------------------------------------------------- one run, one process
+def test_local_scheduler_keeps_similar_run_names_apart(tmp_path: Path) -> None:
+    """`job 1` and `job_1` are two runs: an alert for one never touches the other's process."""
+    import sys
+
+    import psutil
+
+    from robust_metrics.bridge.schedulers.local import LocalScheduler
+
+    local = LocalScheduler({"command": [sys.executable, "-c", "import time; time.sleep(120)"],
+                            "state_dir": str(tmp_path / "state"), "stop_timeout_s": 5})
+    runs = ["job 1", "job_1"]
+    try:
+        first = {run: local.start(run).data["pid"] for run in runs}
+        assert first["job 1"] != first["job_1"]
+        result = local.restart("job 1", "alert for job 1", key="k#0")
+        assert result.ok and result.data["stopped_pid"] == first["job 1"]
+        assert psutil.pid_exists(first["job_1"]) and local.state("job_1")["pid"] == first["job_1"]
+        assert psutil.Process(first["job_1"]).status() != psutil.STATUS_ZOMBIE
+        assert local.completed("job 1", "k#0") and not local.completed("job_1", "k#0")
+        local.cancel("job_1", "alert for job_1")
+        assert local.running("job 1") and not local.running("job_1")
+    finally:
+        for run in runs:
+            local.cancel(run, "test over")
+    names = ["job 1", "job_1", "job%201", "job/1", "job\\1", "job.1", "..", "", "x" * 300,
+             "x" * 299 + "y", "指纹", "a~b"]
+    paths = {local._state_path(n) for n in names}
+    assert len(paths) == len(names)
+    assert all(p.parent == local.state_dir and len(p.name) < 255 for p in paths)
+    # A run named like the cut form of a long name is still another file.
+    long = "y" * 300
+    assert local._state_path(local._state_path(long).stem) != local._state_path(long)
