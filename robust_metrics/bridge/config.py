@@ -33,7 +33,6 @@ __all__ = [
     "parse",
 ]
 
-ACTIONS: tuple[str, ...] = ("checkpoint", "dump_stacks", "restart", "drain_node", "notify")
 MATCH_KEYS_HINT = "alertname, severity, action, run or any other alert label"
 
 
@@ -239,6 +238,8 @@ _ACTION_OPTIONS: dict[str, dict[str, tuple[str, Any]]] = {
     "drain_node": {"scheduler": ("scheduler", None)},
     "notify": {"message": ("str", None)},
 }
+# The action names, declared once: the keys above (each is a method `_<name>` of bridge.Actions).
+ACTIONS: tuple[str, ...] = tuple(_ACTION_OPTIONS)
 
 
 def _action(raw: Any, where: str, schedulers: Mapping[str, SchedulerConfig]) -> ActionSpec:

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from robust_metrics.bridge.payload import incident_key
+from robust_metrics.bridge.policy import Decision, History
 
 __all__ = ["ActionLogError", "ActionStore", "Incident", "NewAlert", "Step", "incident_key"]
 
@@ -384,14 +385,19 @@ class ActionStore:
                        (now,))
         return notes
 
-    def claim(self, now: float | None = None,
-              cooldown_s: Callable[[str | None], float] = lambda rule: 0.0,
-              ) -> tuple[Incident, Incident | None] | None:
+    def claim(self, decide: Callable[[Incident, History, float], Decision],
+              horizon_s: float, now: float | None = None,
+              ) -> tuple[Incident, Decision] | None:
         """Take the oldest due incident whose run has nothing else running (actions per run are
-        serial: two restarts of one job must not race), in one transaction with the cooldown check.
+        serial: two restarts of one job must not race), decide it and persist the decision, in
+        one transaction: no other worker can act on the run between reading its history and
+        recording what it does.
 
-        Returns `(incident, None)` to run it, `(incident, other)` when it was skipped because
-        `other`, of the same rule and run, acted within the rule's cooldown; None when idle.
+        `decide(incident, history, now)` is the policy (`policy.decide`); `history` is what the
+        log holds about the incident's run within `horizon_s`. Returns the incident as
+        persisted and the decision (`run`: it is now running; `skip`, `ignore`: closed;
+        `wait`: still pending, later), or None when nothing is due. An incident a previous
+        bridge process had started is resumed with its recorded plan, not decided again.
         """
         now = time.time() if now is None else now
         with self._tx() as db:
@@ -405,24 +411,44 @@ class ActionStore:
             if incident.started is not None:  # resumed after a restart of the bridge
                 db.execute("UPDATE incidents SET status='running', updated=? WHERE id=?",
                            (now, incident.id))
-                return incident, None
-            cooldown = cooldown_s(incident.rule)
-            other_row = db.execute(
-                "SELECT * FROM incidents WHERE run=? AND rule=? AND id != ? AND started >= ? "
-                "ORDER BY started DESC LIMIT 1",
-                (incident.run, incident.rule, incident.id, now - cooldown),
-            ).fetchone() if cooldown > 0 else None
-            if other_row is not None:
-                other = _incident(other_row)
-                reason = (f"cooldown: rule {incident.rule} acted on run {incident.run} "
-                          f"{now - (other.started or now):.0f}s ago (incident {other.id}; "
-                          f"cooldown {cooldown:.0f}s)")
-                db.execute("UPDATE incidents SET status='skipped', reason=?, updated=? "
-                           "WHERE id=?", (reason, now, incident.id))
-                return dataclasses.replace(incident, status="skipped", reason=reason), other
-            db.execute("UPDATE incidents SET status='running', started=?, updated=? WHERE id=?",
-                       (now, now, incident.id))
-            return dataclasses.replace(incident, status="running", started=now), None
+                return (dataclasses.replace(incident, status="running"),
+                        Decision("run", incident.rule, incident.plan, incident.not_before,
+                                 "resumed"))
+            decision = decide(incident, self._history(db, incident, now - horizon_s), now)
+            return dataclasses.replace(incident, **self._persist(db, incident, decision, now)), \
+                decision
+
+    @staticmethod
+    def _history(db: sqlite3.Connection, incident: Incident, since: float) -> History:
+        last = {r["rule"]: (int(r["id"]), float(r["started"])) for r in db.execute(
+            "SELECT rule, id, MAX(started) AS started FROM incidents WHERE run=? AND id != ? "
+            "AND rule IS NOT NULL AND started >= ? GROUP BY rule",
+            (incident.run, incident.id, since))}
+        restarts = tuple(float(r[0]) for r in db.execute(
+            "SELECT s.started FROM steps s JOIN incidents i ON i.id = s.incident_id "
+            "WHERE i.run=? AND s.action='restart' AND s.started >= ? AND s.status != 'skipped'",
+            (incident.run, since)))
+        return History(last, restarts)
+
+    @staticmethod
+    def _persist(db: sqlite3.Connection, incident: Incident, decision: Decision,
+                 now: float) -> dict[str, Any]:
+        """Write a decision on a pending incident; returns the fields that changed."""
+        plan = json.dumps(decision.plan)
+        if decision.verdict == "run":
+            db.execute("UPDATE incidents SET status='running', started=?, updated=?, rule=?, "
+                       "plan=? WHERE id=?", (now, now, decision.rule, plan, incident.id))
+            return {"status": "running", "started": now, "rule": decision.rule,
+                    "plan": decision.plan}
+        if decision.verdict == "wait":
+            db.execute("UPDATE incidents SET not_before=?, updated=? WHERE id=?",
+                       (decision.not_before, now, incident.id))
+            return {"not_before": decision.not_before}
+        status = "skipped" if decision.verdict == "skip" else "ignored"
+        db.execute("UPDATE incidents SET status=?, reason=?, updated=?, rule=?, plan=? "
+                   "WHERE id=?", (status, decision.reason, now, decision.rule, plan, incident.id))
+        return {"status": status, "reason": decision.reason, "rule": decision.rule,
+                "plan": decision.plan}
 
     def next_due(self) -> float | None:
         with self._lock:
@@ -436,10 +462,6 @@ class ActionStore:
         with self._tx() as db:
             db.execute("UPDATE incidents SET status=?, reason=?, updated=? WHERE id=?",
                        (status, reason, now, incident_id))
-
-    def set_plan(self, incident_id: int, plan: list[dict[str, Any]]) -> None:
-        with self._tx() as db:
-            db.execute("UPDATE incidents SET plan=? WHERE id=?", (json.dumps(plan), incident_id))
 
     def start_step(self, incident_id: int, idx: int, action: str, now: float | None = None) -> None:
         """Commit the step as running before its side effect (the crash-safety point)."""
@@ -470,17 +492,6 @@ class ActionStore:
                            "WHERE incident_id=? AND idx=?",
                            (status, detail, now, json.dumps(dict(data), default=str),
                             incident_id, idx))
-
-    def count_steps(self, run: str, action: str, since: float,
-                    statuses: tuple[str, ...] = ("running", "success", "failed", "dry_run")) -> int:
-        """How many `action` steps of `run` started since `since` (the restart budget)."""
-        marks = ",".join("?" * len(statuses))
-        with self._lock:
-            row = self._db.execute(
-                f"SELECT COUNT(*) FROM steps s JOIN incidents i ON i.id = s.incident_id "
-                f"WHERE i.run=? AND s.action=? AND s.started >= ? AND s.status IN ({marks})",
-                (run, action, since, *statuses)).fetchone()
-        return int(row[0])
 
     # ------------------------------------------------------------------ reading
     def steps(self, incident_id: int) -> list[Step]:
