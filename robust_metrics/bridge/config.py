@@ -8,7 +8,6 @@ See docs/bridge.md for the full reference; examples/bridge.yaml is a working exa
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -17,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from robust_metrics.configuration import ConfigError, resolve_secret
 from robust_metrics.sidecar.config import DEFAULT_PORT as SIDECAR_PORT
 
 __all__ = [
@@ -34,10 +34,6 @@ __all__ = [
 ]
 
 MATCH_KEYS_HINT = "alertname, severity, action, run or any other alert label"
-
-
-class ConfigError(ValueError):
-    """The policy file is invalid; the message names the key and what is expected."""
 
 
 @dataclass(frozen=True)
@@ -202,33 +198,6 @@ def _bool(data: Mapping[str, Any], key: str, where: str, default: bool = False) 
     return value
 
 
-def _secret(data: Mapping[str, Any], key: str, where: str, base: Path) -> str | None:
-    """A secret given inline (`key`), in a file (`key_file`) or in an environment variable."""
-    given = [k for k in (key, f"{key}_file", f"{key}_env") if data.get(k) is not None]
-    if len(given) > 1:
-        raise ConfigError(f"{where}: give only one of {', '.join(given)}")
-    if not given:
-        return None
-    name = given[0]
-    value = _str(data, name, where)
-    assert value is not None
-    if name.endswith("_file"):
-        path = (base / value).expanduser()
-        try:
-            secret = path.read_text().strip()
-        except OSError as exc:
-            raise ConfigError(f"{where}.{name}: cannot read {path}: {exc.strerror}") from None
-    elif name.endswith("_env"):
-        secret = os.environ.get(value, "")
-        if not secret:
-            raise ConfigError(f"{where}.{name}: environment variable {value} is not set")
-    else:
-        secret = value
-    if not secret:
-        raise ConfigError(f"{where}.{name}: is empty")
-    return secret
-
-
 # Per action type: option -> (kind, default). `scheduler` names an entry of `schedulers`.
 _ACTION_OPTIONS: dict[str, dict[str, tuple[str, Any]]] = {
     "checkpoint": {"timeout_s": ("number", 120.0), "at_step": ("int", None)},
@@ -381,7 +350,7 @@ def _sidecars(side: Mapping[str, Any], base: Path, prometheus_url: str | None
         raise ConfigError("sidecars.ack_source is prometheus but prometheus.url is not set")
     return SidecarEndpoints(
         url_template=template, urls=dict(urls), nodes=frozenset(nodes_raw), node_re=node_re,
-        token=_secret(side, "token", "sidecars", base),
+        token=resolve_secret(side, "token", "sidecars", base),
         timeout_s=float(_num(side, "timeout_s", "sidecars", 5.0)), ack_source=ack_source,
         ack_poll_s=float(_num(side, "ack_poll_s", "sidecars", 1.0)),
     )
@@ -412,9 +381,9 @@ def parse(raw: Any, base_dir: str | Path = ".") -> BridgeConfig:
     basic = _mapping(auth_raw.get("basic"), "auth.basic")
     _only(basic, {"username", "password", "password_file", "password_env"}, "auth.basic")
     auth = AuthConfig(
-        bearer_token=_secret(auth_raw, "bearer_token", "auth", base),
+        bearer_token=resolve_secret(auth_raw, "bearer_token", "auth", base),
         basic_username=_str(basic, "username", "auth.basic"),
-        basic_password=_secret(basic, "password", "auth.basic", base),
+        basic_password=resolve_secret(basic, "password", "auth.basic", base),
         protect_metrics=_bool(auth_raw, "protect_metrics", "auth"),
     )
     if bool(auth.basic_username) != bool(auth.basic_password):
@@ -443,7 +412,7 @@ def parse(raw: Any, base_dir: str | Path = ".") -> BridgeConfig:
         url = _str(n, "url", "notify")
         if not url or not url.startswith(("http://", "https://")):
             raise ConfigError(f"notify.url: expected an http(s) URL, got {url!r}")
-        notify = NotifyConfig(url, _secret(n, "secret", "notify", base),
+        notify = NotifyConfig(url, resolve_secret(n, "secret", "notify", base),
                               float(_num(n, "timeout_s", "notify", 10.0)))
 
     budget = _mapping(data.get("restart_budget"), "restart_budget")

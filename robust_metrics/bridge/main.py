@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
 
         for s in config.schedulers.values():
             base.create(s.type, s.options)
-    except (ValueError, base.SchedulerError) as exc:
+    except (ConfigError, base.SchedulerError) as exc:
         print(f"robust-metrics bridge: invalid scheduler config: {exc}", file=sys.stderr)
         return 2
     if args.check:

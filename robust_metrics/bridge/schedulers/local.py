@@ -43,6 +43,7 @@ from urllib.parse import quote
 import psutil
 
 from robust_metrics.bridge.schedulers.base import ActionResult, SchedulerError, check_keys, register
+from robust_metrics.configuration import ConfigError
 
 __all__ = ["LocalScheduler"]
 
@@ -73,14 +74,14 @@ class LocalScheduler:
             command = shlex.split(command)
         if not isinstance(command, list) or not command or not all(
                 isinstance(c, str) for c in command):
-            raise ValueError("local scheduler: `command` must be a non-empty list of strings "
+            raise ConfigError("local scheduler: `command` must be a non-empty list of strings "
                              "(or one shell-quoted string)")
         base = Path(str(config.get("_base_dir", ".")))
         self.command: list[str] = command
         self.cwd = str((base / str(config.get("cwd", "."))).resolve())
         env = config.get("env") or {}
         if not isinstance(env, Mapping):
-            raise ValueError("local scheduler: `env` must be a mapping of strings")
+            raise ConfigError("local scheduler: `env` must be a mapping of strings")
         self.env = {str(k): str(v) for k, v in env.items()}
         self.state_dir = (base / str(config.get("state_dir", "local-scheduler"))).resolve()
         self.log_dir = (base / str(config["log_dir"])).resolve() if config.get(
