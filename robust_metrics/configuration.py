@@ -67,7 +67,8 @@ def secret_ref(data: Mapping[str, Any], key: str, where: str, base: str | Path =
     name = given[0]
     value = data[name]
     if not isinstance(value, str):
-        raise ConfigError(f"{where}.{name}: expected a string, got {value!r}")
+        raise ConfigError(f"{where}.{name}: expected a string, got {type(value).__name__} "
+                          "(quote it in YAML)")  # never echo a secret
     if name.endswith("_file"):
         return Secret(where, name, "file", str((Path(base) / value).expanduser()))
     if name.endswith("_env"):
