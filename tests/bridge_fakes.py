@@ -162,6 +162,30 @@ class Receiver(_Server):
             return [r["body"] for r in self.requests if path is None or r["path"] == path]
 
 
+class _RecorderHandler(BaseHTTPRequestHandler):
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def _any(self) -> None:
+        fake: Recorder = self.server.owner  # type: ignore[attr-defined]
+        with fake.lock:
+            fake.requests.append({"method": self.command, "path": self.path,
+                                  "headers": dict(self.headers.items())})
+        _reply(self, 200, {"request_id": 1, "node": "evil", "ranks": []})
+
+    do_GET = do_POST = do_PUT = do_DELETE = _any
+
+
+class Recorder(_Server):
+    """A server that answers everything with 200 and records it: an attacker's listener, to prove
+    that nothing (least of all a bearer token) reaches it."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.requests: list[dict[str, Any]] = []
+        super().__init__(_RecorderHandler)
+
+
 def alert(alertname: str = "TestAlert", *, status: str = "firing", fingerprint: str = "f1",
           starts_at: str = "2026-01-01T00:00:00.000Z", **labels: str) -> dict[str, Any]:
     return {"status": status, "labels": {"alertname": alertname, **labels},

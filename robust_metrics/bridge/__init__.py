@@ -3,8 +3,9 @@
 Run it with ``robust-metrics bridge --config bridge.yaml`` (docs/bridge.md). Modules:
 
 - `config`: the policy file and its validation;      - `payload`: Alertmanager v4 validation;
-- `policy`: alert -> rule -> plan;                      - `store`: the SQLite (WAL) action log;
-- `engine`: workers, cooldown, restart budget;          - `actions`: what each action does;
+- `policy`: `decide()`, what to do for an alert: match, guard, cooldown, restart budget;
+- `store`: the SQLite (WAL) action log, persists decisions;  - `actions`: what each action does;
+- `engine`: worker threads that claim and run decided plans;
 - `sidecars`: sidecar and Prometheus client;            - `signing`: HMAC-SHA256 for webhooks;
 - `service`: the `Bridge` object;  `app`: HTTP routes;  `main`: the CLI;
 - `schedulers/`: adapters chosen by name (`local`, `webhook`, `slurm`, `kubernetes`).

@@ -42,8 +42,20 @@ class HTTPProblem(Exception):
         self.headers = headers or {}
 
 
+class SafeJSONResponse(JSONResponse):
+    """UTF-8 JSON, or ASCII-escaped JSON when the content holds text UTF-8 cannot encode (a lone
+    surrogate in a label stored by an older bridge): the audit trail stays readable."""
+
+    def render(self, content: object) -> bytes:
+        try:
+            return super().render(content)
+        except UnicodeEncodeError:
+            return json.dumps(content, ensure_ascii=True, allow_nan=False, indent=None,
+                              separators=(",", ":")).encode("ascii")
+
+
 def _error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse({"error": message}, status_code=status, headers=headers)
+    return SafeJSONResponse({"error": message}, status_code=status, headers=headers)
 
 
 def check_auth(auth: AuthConfig, header: str | None) -> None:
@@ -110,7 +122,7 @@ def create_app(bridge: Bridge, *, start_engine: bool = True) -> Starlette:
             except PayloadError as exc:
                 raise HTTPProblem(422, str(exc)) from None
             result = await run_in_threadpool(bridge.handle, notification)
-            response: Response = JSONResponse(result)
+            response: Response = SafeJSONResponse(result)
         except HTTPProblem as problem:
             response = _error(problem.status, problem.message, problem.headers)
         except Exception:
@@ -136,7 +148,7 @@ def create_app(bridge: Bridge, *, start_engine: bool = True) -> Starlette:
         if not limit_text.isdigit() or not 1 <= int(limit_text) <= 1000:
             return _error(400, "limit must be an integer from 1 to 1000")
         rows = await run_in_threadpool(bridge.store.list, q.get("run"), status, int(limit_text))
-        return JSONResponse({"actions": [i.to_dict(steps) for i, steps in rows]})
+        return SafeJSONResponse({"actions": [i.to_dict(steps) for i, steps in rows]})
 
     async def metrics(request: Request) -> Response:
         if config.auth.protect_metrics:

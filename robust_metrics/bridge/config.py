@@ -8,7 +8,6 @@ See docs/bridge.md for the full reference; examples/bridge.yaml is a working exa
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -16,6 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from robust_metrics.configuration import ConfigError, resolve_secret
+from robust_metrics.sidecar.config import DEFAULT_PORT as SIDECAR_PORT
 
 __all__ = [
     "ACTIONS",
@@ -26,17 +28,12 @@ __all__ = [
     "NotifyConfig",
     "Rule",
     "SchedulerConfig",
-    "SidecarConfig",
+    "SidecarEndpoints",
     "load",
     "parse",
 ]
 
-ACTIONS: tuple[str, ...] = ("checkpoint", "dump_stacks", "restart", "drain_node", "notify")
 MATCH_KEYS_HINT = "alertname, severity, action, run or any other alert label"
-
-
-class ConfigError(ValueError):
-    """The policy file is invalid; the message names the key and what is expected."""
 
 
 @dataclass(frozen=True)
@@ -47,20 +44,42 @@ class AuthConfig:
     protect_metrics: bool = False
 
 
-@dataclass(frozen=True)
-class SidecarConfig:
-    """How to reach a node's sidecar: a URL template, or a fixed URL per node name."""
+# A node name as a URL may carry it: RFC 1123 host name labels, nothing else (no port, path,
+# user info, query or fragment can ride in on a label).
+HOSTNAME = re.compile(r"(?=.{1,253}\Z)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+                      r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\Z")
+DEFAULT_SIDECAR_TEMPLATE = f"http://{{node}}:{SIDECAR_PORT}"
 
-    url_template: str = "http://{node}:9400"
+
+@dataclass(frozen=True)
+class SidecarEndpoints:
+    """Where the node sidecars are, and the token they take.
+
+    A `node` label comes from the alert, and through `robust_rank_info` from the job itself: it
+    names a node and never addresses one. The URL of a node is its entry in `urls`, or
+    `url_template` for a node that is a strict host name *and* is in `nodes` or matches `node_re`;
+    any other name has no URL, so the bearer token goes only to configured hosts.
+    """
+
+    url_template: str = DEFAULT_SIDECAR_TEMPLATE
     urls: Mapping[str, str] = field(default_factory=dict)
+    nodes: frozenset[str] = frozenset()
+    node_re: re.Pattern[str] | None = None
     token: str | None = None
     timeout_s: float = 5.0
     ack_source: str = "sidecar"  # or "prometheus"
     ack_poll_s: float = 1.0
     configured: bool = True  # False: the policy has no `sidecars` block (checkpoints by signal)
 
-    def url(self, node: str) -> str:
-        return self.urls.get(node) or self.url_template.format(node=node)
+    def url(self, node: str) -> str | None:
+        """The sidecar URL of `node`, or None when the configuration does not name that host."""
+        if node in self.urls:
+            return self.urls[node]
+        if not HOSTNAME.match(node):
+            return None
+        if node in self.nodes or (self.node_re is not None and self.node_re.fullmatch(node)):
+            return self.url_template.replace("{node}", node)
+        return None
 
 
 @dataclass(frozen=True)
@@ -125,7 +144,7 @@ class BridgeConfig:
     workers: int = 4
     dry_run: bool = False
     prometheus_url: str | None = None
-    sidecars: SidecarConfig = field(default_factory=SidecarConfig)
+    sidecars: SidecarEndpoints = field(default_factory=SidecarEndpoints)
     schedulers: Mapping[str, SchedulerConfig] = field(default_factory=dict)
     default_scheduler: str | None = None
     notify: NotifyConfig | None = None
@@ -180,33 +199,6 @@ def _bool(data: Mapping[str, Any], key: str, where: str, default: bool = False) 
     return value
 
 
-def _secret(data: Mapping[str, Any], key: str, where: str, base: Path) -> str | None:
-    """A secret given inline (`key`), in a file (`key_file`) or in an environment variable."""
-    given = [k for k in (key, f"{key}_file", f"{key}_env") if data.get(k) is not None]
-    if len(given) > 1:
-        raise ConfigError(f"{where}: give only one of {', '.join(given)}")
-    if not given:
-        return None
-    name = given[0]
-    value = _str(data, name, where)
-    assert value is not None
-    if name.endswith("_file"):
-        path = (base / value).expanduser()
-        try:
-            secret = path.read_text().strip()
-        except OSError as exc:
-            raise ConfigError(f"{where}.{name}: cannot read {path}: {exc.strerror}") from None
-    elif name.endswith("_env"):
-        secret = os.environ.get(value, "")
-        if not secret:
-            raise ConfigError(f"{where}.{name}: environment variable {value} is not set")
-    else:
-        secret = value
-    if not secret:
-        raise ConfigError(f"{where}.{name}: is empty")
-    return secret
-
-
 # Per action type: option -> (kind, default). `scheduler` names an entry of `schedulers`.
 _ACTION_OPTIONS: dict[str, dict[str, tuple[str, Any]]] = {
     "checkpoint": {"timeout_s": ("number", 120.0), "at_step": ("int", None),
@@ -217,6 +209,8 @@ _ACTION_OPTIONS: dict[str, dict[str, tuple[str, Any]]] = {
     "drain_node": {"scheduler": ("scheduler", None)},
     "notify": {"message": ("str", None)},
 }
+# The action names, declared once: the keys above (each is a method `_<name>` of bridge.Actions).
+ACTIONS: tuple[str, ...] = tuple(_ACTION_OPTIONS)
 
 
 def _action(raw: Any, where: str, schedulers: Mapping[str, SchedulerConfig]) -> ActionSpec:
@@ -324,6 +318,47 @@ def _schedulers(raw: Any, base: Path) -> dict[str, SchedulerConfig]:
     return out
 
 
+def _sidecars(side: Mapping[str, Any], base: Path, prometheus_url: str | None,
+              configured: bool) -> SidecarEndpoints:
+    _only(side, {"url_template", "urls", "nodes", "node_re", "token", "token_file", "token_env",
+                 "timeout_s", "ack_source", "ack_poll_s"}, "sidecars")
+    urls = _mapping(side.get("urls"), "sidecars.urls")
+    for node, url in urls.items():
+        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+            raise ConfigError(f"sidecars.urls.{node}: expected an http(s) URL, got {url!r}")
+    template = _str(side, "url_template", "sidecars", DEFAULT_SIDECAR_TEMPLATE) or ""
+    if "{node}" not in template or not template.startswith(("http://", "https://")):
+        raise ConfigError("sidecars.url_template: must contain {node} and be an http(s) URL, "
+                          f"e.g. {DEFAULT_SIDECAR_TEMPLATE}")
+    nodes_raw = side.get("nodes") or []
+    if not isinstance(nodes_raw, list) or not all(
+            isinstance(n, str) and HOSTNAME.match(n) for n in nodes_raw):
+        raise ConfigError(f"sidecars.nodes: expected a list of host names, got {nodes_raw!r}")
+    node_re = None
+    if side.get("node_re") is not None:
+        pattern = _str(side, "node_re", "sidecars") or ""
+        try:
+            node_re = re.compile(pattern)
+        except re.error as exc:
+            raise ConfigError(f"sidecars.node_re: bad regular expression: {exc}") from None
+    if "url_template" in side and not nodes_raw and node_re is None:
+        raise ConfigError("sidecars.url_template: name the hosts it may address in "
+                          "sidecars.nodes or sidecars.node_re (alert labels come from jobs; the "
+                          "sidecar token goes only to configured hosts)")
+    ack_source = _str(side, "ack_source", "sidecars", "sidecar")
+    if ack_source not in ("sidecar", "prometheus"):
+        raise ConfigError(f"sidecars.ack_source: choose sidecar or prometheus, not {ack_source!r}")
+    if ack_source == "prometheus" and not prometheus_url:
+        raise ConfigError("sidecars.ack_source is prometheus but prometheus.url is not set")
+    return SidecarEndpoints(
+        url_template=template, urls=dict(urls), nodes=frozenset(nodes_raw), node_re=node_re,
+        token=resolve_secret(side, "token", "sidecars", base),
+        timeout_s=float(_num(side, "timeout_s", "sidecars", 5.0)), ack_source=ack_source,
+        ack_poll_s=float(_num(side, "ack_poll_s", "sidecars", 1.0)),
+        configured=configured,
+    )
+
+
 # ----------------------------------------------------------------------------- entry points
 _TOP = {"listen", "database", "max_body_bytes", "max_alerts", "workers", "dry_run", "auth",
         "prometheus", "sidecars", "schedulers", "default_scheduler", "notify", "restart_budget",
@@ -349,9 +384,9 @@ def parse(raw: Any, base_dir: str | Path = ".") -> BridgeConfig:
     basic = _mapping(auth_raw.get("basic"), "auth.basic")
     _only(basic, {"username", "password", "password_file", "password_env"}, "auth.basic")
     auth = AuthConfig(
-        bearer_token=_secret(auth_raw, "bearer_token", "auth", base),
+        bearer_token=resolve_secret(auth_raw, "bearer_token", "auth", base),
         basic_username=_str(basic, "username", "auth.basic"),
-        basic_password=_secret(basic, "password", "auth.basic", base),
+        basic_password=resolve_secret(basic, "password", "auth.basic", base),
         protect_metrics=_bool(auth_raw, "protect_metrics", "auth"),
     )
     if bool(auth.basic_username) != bool(auth.basic_password):
@@ -363,28 +398,10 @@ def parse(raw: Any, base_dir: str | Path = ".") -> BridgeConfig:
     prom = _mapping(data.get("prometheus"), "prometheus")
     _only(prom, {"url"}, "prometheus")
 
-    side = _mapping(data.get("sidecars"), "sidecars")
-    _only(side, {"url_template", "urls", "token", "token_file", "token_env", "timeout_s",
-                 "ack_source", "ack_poll_s"}, "sidecars")
-    urls = _mapping(side.get("urls"), "sidecars.urls")
-    for node, url in urls.items():
-        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-            raise ConfigError(f"sidecars.urls.{node}: expected an http(s) URL, got {url!r}")
-    template = _str(side, "url_template", "sidecars", "http://{node}:9400") or ""
-    if "{node}" not in template:
-        raise ConfigError("sidecars.url_template: must contain {node}, e.g. http://{node}:9400")
-    ack_source = _str(side, "ack_source", "sidecars", "sidecar")
-    if ack_source not in ("sidecar", "prometheus"):
-        raise ConfigError(f"sidecars.ack_source: choose sidecar or prometheus, not {ack_source!r}")
     prometheus_url = _str(prom, "url", "prometheus")
-    if ack_source == "prometheus" and not prometheus_url:
-        raise ConfigError("sidecars.ack_source is prometheus but prometheus.url is not set")
-    sidecars = SidecarConfig(
-        url_template=template, urls=dict(urls), token=_secret(side, "token", "sidecars", base),
-        timeout_s=float(_num(side, "timeout_s", "sidecars", 5.0)), ack_source=ack_source,
-        ack_poll_s=float(_num(side, "ack_poll_s", "sidecars", 1.0)),
-        configured=data.get("sidecars") is not None,
-    )
+    sidecars = _sidecars(_mapping(data.get("sidecars"), "sidecars"), base, prometheus_url,
+                         configured=data.get("sidecars") is not None)
+
 
     schedulers = _schedulers(data.get("schedulers"), base)
     default_scheduler = _str(data, "default_scheduler", "config")
@@ -400,7 +417,7 @@ def parse(raw: Any, base_dir: str | Path = ".") -> BridgeConfig:
         url = _str(n, "url", "notify")
         if not url or not url.startswith(("http://", "https://")):
             raise ConfigError(f"notify.url: expected an http(s) URL, got {url!r}")
-        notify = NotifyConfig(url, _secret(n, "secret", "notify", base),
+        notify = NotifyConfig(url, resolve_secret(n, "secret", "notify", base),
                               float(_num(n, "timeout_s", "notify", 10.0)))
 
     budget = _mapping(data.get("restart_budget"), "restart_budget")

@@ -1,8 +1,9 @@
 """Runs accepted incidents through their plan, one step at a time, on a few worker threads.
 
 The webhook only records alerts (fast, durable); the engine claims due incidents from the store,
-applies the history-dependent policy (per-run cooldown, restart budget) and executes steps, each
-committed as `running` before its side effect. Incidents of one run never run concurrently.
+which decides them with `policy.decide` in the claiming transaction (guard, cooldown, restart
+budget), and executes the decided plan's steps, each committed as `running` before its side
+effect. Incidents of one run never run concurrently.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from robust_metrics.bridge import policy
 from robust_metrics.bridge.actions import Actions, Interrupted, Outcome, StepContext
-from robust_metrics.bridge.config import BridgeConfig
+from robust_metrics.bridge.config import ACTIONS, BridgeConfig
 from robust_metrics.bridge.metrics import BridgeMetrics
 from robust_metrics.bridge.store import ActionStore, Incident, Step
 
@@ -35,7 +37,7 @@ class Engine:
         self.stop_event = actions.stop
         self._wake = threading.Condition()
         self._threads: list[threading.Thread] = []
-        self._rules = {r.name: r for r in config.rules}
+        self._horizon_s = policy.history_horizon_s(config)
 
     # ------------------------------------------------------------------ lifecycle
     def recover(self) -> list[str]:
@@ -43,7 +45,7 @@ class Engine:
         checks = {
             action: (lambda step, _a=action: self.actions.resumable(
                 step, self.store.get(step.incident_id)))
-            for action in ("checkpoint", "dump_stacks", "restart", "drain_node", "notify")
+            for action in ACTIONS
         }
         notes = self.store.recover(checks)
         for note in notes:
@@ -70,24 +72,25 @@ class Engine:
     def _loop(self) -> None:
         while not self.stop_event.is_set():
             try:
-                claimed = self.store.claim(cooldown_s=self._cooldown)
+                claimed = self.store.claim(self._decide, self._horizon_s)
             except Exception:
                 log.exception("claiming an incident failed")
                 claimed = None
-            if claimed is not None and claimed[1] is not None:  # skipped: cooldown
-                for spec in claimed[0].plan:
-                    self.metrics.action(claimed[0].run, spec["type"], "skipped", None)
-                log.info("incident %s skipped: %s", claimed[0].key, claimed[0].reason)
-                continue
-            incident = claimed[0] if claimed is not None else None
-            if incident is not None:
-                try:
-                    self.process(incident)
-                except Interrupted:
-                    return
-                except Exception:
-                    log.exception("incident %s failed in the engine", incident.key)
-                    self.store.finish_incident(incident.id, "failed", "internal error; see log")
+            if claimed is not None:
+                incident, decision = claimed
+                if decision.verdict == "run":
+                    try:
+                        self.process(incident)
+                    except Interrupted:
+                        return
+                    except Exception:
+                        log.exception("incident %s failed in the engine", incident.key)
+                        self.store.finish_incident(incident.id, "failed",
+                                                   "internal error; see log")
+                elif decision.verdict == "skip":
+                    for spec in decision.plan:
+                        self.metrics.action(incident.run, spec["type"], "skipped", None)
+                    log.info("incident %s skipped: %s", incident.key, decision.reason)
                 self.wake()  # another run's incident may now be claimable
                 continue
             due = self.store.next_due()
@@ -96,9 +99,10 @@ class Engine:
                 self._wake.wait(wait)
 
     # ------------------------------------------------------------------ one incident
-    def _cooldown(self, rule_name: str | None) -> float:
-        rule = self._rules.get(rule_name or "")
-        return rule.cooldown_s if rule else 0.0
+    def _decide(self, incident: Incident, history: policy.History,
+                now: float) -> policy.Decision:
+        return policy.decide(self.config, policy.AlertFacts(incident.labels, incident.starts_at),
+                             history, now)
 
     def process(self, incident: Incident) -> None:
         """Run (or resume) a claimed incident's plan to its end."""
@@ -121,46 +125,20 @@ class Engine:
         if idx >= len(plan):  # every step had finished before a restart of the bridge
             self.store.finish_incident(incident.id, "done")
         while idx < len(plan):
-            spec = self._apply_budget(incident, plan, idx)
-            self.store.start_step(incident.id, idx, "checkpoint" if spec["type"] ==
-                                  "checkpoint_skipped" else spec["type"])
+            spec = plan[idx]
+            if spec.get("escalated_from"):  # the restart the budget turned into a notify
+                self.metrics.action(incident.run, spec["escalated_from"], "skipped", None)
+            self.store.start_step(incident.id, idx, spec["type"])
             if not self._finish(incident, plan, idx,
                                 self._run_step(incident, spec, idx, None, resumed=False)):
                 return
             idx += 1
 
-    def _apply_budget(self, incident: Incident, plan: list[dict[str, Any]],
-                      idx: int) -> dict[str, Any]:
-        """Restart budget: past N restarts of this run in the window, escalate to notify."""
-        spec = plan[idx]
-        is_restart = spec["type"] == "restart"
-        before_restart = spec["type"] == "checkpoint" and (spec.get("options") or {}).get(
-            "before_restart")
-        if not (is_restart or before_restart):
-            return spec
-        window = self.config.restart_window_s
-        used = self.store.count_steps(incident.run, "restart", time.time() - window)
-        if used < self.config.restart_budget:
-            return spec
-        why = (f"restart budget exhausted: {used} restarts of run {incident.run} in the last "
-               f"{window:.0f}s (limit {self.config.restart_budget})")
-        if before_restart:
-            new = {**spec, "type": "checkpoint_skipped", "reason": why}
-        else:
-            self.metrics.action(incident.run, "restart", "skipped", None)
-            new = {"type": "notify", "continue_on_error": False, "dry_run": spec.get("dry_run"),
-                   "escalated_from": "restart",
-                   "options": {"message": f"{why}; escalating instead of restarting "
-                               f"({incident.alertname})"}}
-        plan[idx] = new
-        self.store.set_plan(incident.id, plan)
-        return new
-
     def _run_step(self, incident: Incident, spec: Mapping[str, Any], idx: int,
                   step: Step | None, *, resumed: bool) -> tuple[Outcome, float]:
         t0 = time.monotonic()
-        if spec["type"] == "checkpoint_skipped":
-            return Outcome("skipped", str(spec.get("reason", ""))), 0.0
+        if spec.get("skip"):  # decided by the policy (the restart after it is over budget)
+            return Outcome("skipped", str(spec["skip"])), 0.0
 
         def save(data: Mapping[str, Any]) -> None:
             self.store.save_step_data(incident.id, idx, data)
@@ -175,7 +153,7 @@ class Engine:
         """Record the step; False when the chain stops here."""
         outcome, seconds = result
         spec = plan[idx]
-        action = "checkpoint" if spec["type"] == "checkpoint_skipped" else spec["type"]
+        action = spec["type"]
         stops = outcome.status == "failed" and not spec.get("continue_on_error")
         closing = "failed" if stops else "done" if idx == len(plan) - 1 else None
         self.store.finish_step(incident.id, idx, outcome.status, outcome.detail, outcome.data,

@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
 
         for s in config.schedulers.values():
             base.create(s.type, s.options)
-    except (ValueError, base.SchedulerError) as exc:
+    except (ConfigError, base.SchedulerError) as exc:
         print(f"robust-metrics bridge: invalid scheduler config: {exc}", file=sys.stderr)
         return 2
     if args.check:
@@ -60,8 +60,14 @@ def run(args: argparse.Namespace) -> int:
 
     from robust_metrics.bridge.app import create_app
     from robust_metrics.bridge.service import Bridge
+    from robust_metrics.bridge.store import ActionLogError
 
-    app = create_app(Bridge(config))
+    try:
+        bridge = Bridge(config)
+    except ActionLogError as exc:
+        print(f"robust-metrics bridge: {exc}", file=sys.stderr)
+        return 2
+    app = create_app(bridge)
     uvicorn.run(app, host=config.host, port=config.port, log_level=args.log_level,
                 access_log=args.log_level == "debug")
     return 0

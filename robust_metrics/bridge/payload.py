@@ -3,17 +3,25 @@
 Anything that is not what Alertmanager 0.x sends is refused with a message naming the field, so a
 misconfigured sender sees a 4xx it can act on and the bridge never guesses. Reference:
 https://prometheus.io/docs/alerting/latest/configuration/#webhook_config
+
+Two normalisations make what is accepted safe to key on, store and return:
+- `startsAt` is rewritten to one spelling per instant (`canonical_time`: UTC, `Z`, fraction without
+  trailing zeros, as Alertmanager writes it), so the idempotency key (`incident_key`) of one alert
+  instance does not depend on how a sender spells its time;
+- text is valid Unicode: a lone surrogate (JSON allows `"\\ud800"`, UTF-8 cannot hold it) becomes
+  U+FFFD, so every label can be stored in SQLite and returned as UTF-8 JSON.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
-from robust_metrics.bridge.policy import parse_time
-
-__all__ = ["Alert", "Notification", "PayloadError", "parse_notification"]
+__all__ = ["Alert", "Notification", "PayloadError", "canonical_time", "incident_key",
+           "parse_notification", "parse_time", "safe_text"]
 
 MAX_LABELS = 128
 MAX_STRING = 4096
@@ -21,6 +29,58 @@ MAX_STRING = 4096
 
 class PayloadError(ValueError):
     """The payload is not a valid Alertmanager v4 webhook; the message names the field."""
+
+
+def _time_parts(value: str) -> tuple[datetime, str]:
+    """RFC 3339 into (the instant to the second, the fraction's digits); ValueError if not."""
+    text = value.strip()
+    if text.endswith(("Z", "z")):
+        text = text[:-1] + "+00:00"
+    digits = ""
+    if "." in text:  # Python takes at most microseconds: keep the digits apart
+        head, _, rest = text.partition(".")
+        n = 0
+        while n < len(rest) and rest[n].isdigit():
+            n += 1
+        digits, text = rest[:n], head + rest[n:]
+    parsed = datetime.fromisoformat(text)
+    if parsed.tzinfo is None:
+        raise ValueError(f"time {value!r} has no time zone")
+    if not digits and parsed.microsecond:
+        digits = f"{parsed.microsecond:06d}"
+    return parsed.replace(microsecond=0), digits
+
+
+def parse_time(value: str) -> datetime:
+    """RFC 3339 as Alertmanager writes it (nanoseconds and `Z` included); ValueError if not."""
+    parsed, digits = _time_parts(value)
+    return parsed.replace(microsecond=int((digits + "000000")[:6]))
+
+
+def canonical_time(value: str) -> str:
+    """One spelling per instant: `2026-01-01T02:00:00.500+02:00` -> `2026-01-01T00:00:00.5Z`
+    (UTC, nanoseconds kept, trailing zeros dropped: Go's RFC3339Nano, what Alertmanager sends)."""
+    parsed, digits = _time_parts(value)
+    try:
+        utc = parsed.astimezone(UTC)
+    except OverflowError:
+        raise ValueError(f"time {value!r} is out of range") from None
+    fraction = digits[:9].rstrip("0")
+    return utc.replace(tzinfo=None).isoformat() + (f".{fraction}" if fraction else "") + "Z"
+
+
+def incident_key(fingerprint: str, starts_at: str) -> str:
+    """The idempotency key of one alert instance (Alertmanager keeps startsAt across re-sends);
+    the time is canonical, so spellings of one instant share one key."""
+    return f"{fingerprint}@{canonical_time(starts_at)}"
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def safe_text(value: str) -> str:
+    """`value` with lone surrogates replaced by U+FFFD (the rest unchanged)."""
+    return value if value.isascii() else _SURROGATE.sub("\ufffd", value)
 
 
 @dataclass(frozen=True)
@@ -48,9 +108,9 @@ def _string_map(value: Any, where: str) -> dict[str, str]:
         raise PayloadError(f"{where}: more than {MAX_LABELS} entries")
     for k, v in value.items():
         if not isinstance(v, str) or len(v) > MAX_STRING or len(k) > 256:
-            raise PayloadError(f"{where}.{k}: expected a string of at most {MAX_STRING} "
-                               "characters")
-    return dict(value)
+            raise PayloadError(f"{where}.{safe_text(k)}: expected a string of at most "
+                               f"{MAX_STRING} characters")
+    return {safe_text(k): safe_text(v) for k, v in value.items()}
 
 
 def _string(obj: Mapping[str, Any], key: str, where: str, *, required: bool = True,
@@ -62,7 +122,7 @@ def _string(obj: Mapping[str, Any], key: str, where: str, *, required: bool = Tr
         raise PayloadError(f"{where}.{key}: expected a string, got {type(value).__name__}")
     if len(value) > max_len:
         raise PayloadError(f"{where}.{key}: longer than {max_len} characters")
-    return value
+    return safe_text(value)
 
 
 def _time(obj: Mapping[str, Any], key: str, where: str, *, required: bool) -> str:
@@ -72,10 +132,9 @@ def _time(obj: Mapping[str, Any], key: str, where: str, *, required: bool) -> st
             raise PayloadError(f"{where}.{key}: is empty")
         return ""
     try:
-        parse_time(value)
+        return canonical_time(value)
     except ValueError:
         raise PayloadError(f"{where}.{key}: not an RFC 3339 time: {value!r}") from None
-    return value
 
 
 def _alert(raw: Any, where: str) -> Alert:

@@ -1,26 +1,68 @@
-"""From an alert to a plan: which rule matches, which steps run, and from when.
+"""What the bridge will do for an alert: one pure function, `decide(config, alert, log, now)`.
 
-Kept apart from HTTP and from the action code so the decisions are plain functions of the alert
-and the policy, easy to test and to read in an audit: the plan is stored with the incident.
+Everything that turns an alert into actions is here, as a function of the alert, the policy and
+what the action log says about the alert's run, with no HTTP, SQL or clock inside, so it reads
+(and is tested) like Alertmanager's routing. In order:
 
-Two decisions are made here, at accept time, because they depend on the alert alone:
-- the `for` guard: an instance acts only once it has been firing for `for_s` (startsAt + for_s); a
-  resolution that arrives first cancels it;
-- `restart` with `checkpoint_first`: a checkpoint step is put before the restart, unless the alert
-  says the job is hung (a hung rank cannot write a checkpoint, so asking would only add the
-  checkpoint timeout to the outage).
-Decisions that depend on history (cooldown, restart budget) are made when the plan runs.
+1. **match**: the first rule, in file order, whose `match` and `match_re` accept the labels;
+   none: `ignore`.
+2. **plan**: the rule's chain with defaults filled in. `restart` with `checkpoint_first` gets a
+   checkpoint step before it, unless the alert says the job is hung (a hung rank cannot write a
+   checkpoint, so asking would only add the checkpoint timeout to the outage).
+3. **guard**: the instance acts only once it has fired for the rule's `for` (startsAt + for_s):
+   before that, `wait` (a resolution that arrives meanwhile cancels it).
+4. **cooldown**: when the same rule started acting on the same run within `cooldown_s`: `skip`.
+5. **budget**: a restart past `restart_budget` restarts of the run within the window becomes a
+   `notify` escalation, and the checkpoint asked for before it is skipped.
+
+The bridge calls `decide` when an alert arrives (to record its rule, plan and due time) and again
+when a worker claims it, inside the store's transaction, with the run's history read in that
+transaction; the store only persists the verdict.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from datetime import datetime
-from typing import Any
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 from robust_metrics.bridge.config import ActionSpec, BridgeConfig, Rule
+from robust_metrics.bridge.payload import parse_time
 
-__all__ = ["build_plan", "is_hang", "match_rule", "not_before", "parse_time"]
+__all__ = ["AlertFacts", "Decision", "History", "build_plan", "decide", "history_horizon_s",
+           "is_hang", "match_rule", "not_before", "parse_time"]
+
+Verdict = Literal["ignore", "wait", "skip", "run"]
+
+
+@dataclass(frozen=True)
+class AlertFacts:
+    """The parts of a firing alert instance a decision reads."""
+
+    labels: Mapping[str, str]
+    starts_at: str
+
+
+@dataclass(frozen=True)
+class History:
+    """What the action log says about one run, all a decision needs from it.
+
+    `last_started`: per rule, when another instance of it last started acting on the run (and
+    that incident's id); `restarts`: when restart steps of the run started (every status but
+    `skipped` counts: failed and dry-run restarts use the budget too).
+    """
+
+    last_started: Mapping[str, tuple[int, float]] = field(default_factory=dict)
+    restarts: Sequence[float] = ()
+
+
+@dataclass(frozen=True)
+class Decision:
+    verdict: Verdict
+    rule: str | None
+    plan: list[dict[str, Any]]
+    not_before: float
+    reason: str = ""
 
 
 def match_rule(config: BridgeConfig, labels: Mapping[str, str]) -> Rule | None:
@@ -29,24 +71,6 @@ def match_rule(config: BridgeConfig, labels: Mapping[str, str]) -> Rule | None:
         if rule.matches(labels):
             return rule
     return None
-
-
-def parse_time(value: str) -> datetime:
-    """RFC 3339 as Alertmanager writes it (nanoseconds and `Z` included); ValueError if not."""
-    text = value.strip()
-    if text.endswith(("Z", "z")):
-        text = text[:-1] + "+00:00"
-    # Python takes at most microseconds: cut a longer fraction.
-    if "." in text:
-        head, _, rest = text.partition(".")
-        digits = ""
-        while rest and rest[0].isdigit():
-            digits, rest = digits + rest[0], rest[1:]
-        text = f"{head}.{(digits + '000000')[:6]}{rest}"
-    parsed = datetime.fromisoformat(text)
-    if parsed.tzinfo is None:
-        raise ValueError(f"time {value!r} has no time zone")
-    return parsed
 
 
 def not_before(rule: Rule, starts_at: str) -> float:
@@ -76,3 +100,63 @@ def build_plan(config: BridgeConfig, rule: Rule, labels: Mapping[str, str]) -> l
     for step in plan:
         step["dry_run"] = dry
     return plan
+
+
+def history_horizon_s(config: BridgeConfig) -> float:
+    """How far back a decision looks into the log (the longest cooldown or budget window)."""
+    return max([config.restart_window_s, *(r.cooldown_s for r in config.rules)])
+
+
+def _cooldown(rule: Rule, run: str, log: History, now: float) -> str | None:
+    last = log.last_started.get(rule.name)
+    if rule.cooldown_s <= 0 or last is None or last[1] < now - rule.cooldown_s:
+        return None
+    return (f"cooldown: rule {rule.name} acted on run {run} {now - last[1]:.0f}s ago "
+            f"(incident {last[0]}; cooldown {rule.cooldown_s:.0f}s)")
+
+
+def _budget(config: BridgeConfig, plan: list[dict[str, Any]], run: str, alertname: str,
+            log: History, now: float) -> list[dict[str, Any]]:
+    """Restarts past the budget become notify escalations; their checkpoint is skipped."""
+    window = config.restart_window_s
+    used = sum(1 for t in log.restarts if t >= now - window)
+    out: list[dict[str, Any]] = []
+    for step in plan:
+        before_restart = step["type"] == "checkpoint" and (step.get("options") or {}).get(
+            "before_restart")
+        if step["type"] != "restart" and not before_restart:
+            out.append(step)
+            continue
+        if used < config.restart_budget:
+            if step["type"] == "restart":
+                used += 1
+            out.append(step)
+            continue
+        why = (f"restart budget exhausted: {used} restarts of run {run} in the last "
+               f"{window:.0f}s (limit {config.restart_budget})")
+        if before_restart:
+            out.append({**step, "skip": why})
+        else:
+            out.append({"type": "notify", "continue_on_error": False,
+                        "dry_run": step.get("dry_run"), "escalated_from": "restart",
+                        "options": {"message": f"{why}; escalating instead of restarting "
+                                    f"({alertname})"}})
+    return out
+
+
+def decide(config: BridgeConfig, alert: AlertFacts, log: History, now: float) -> Decision:
+    """What the bridge does for `alert` at `now`, given the policy and its run's history."""
+    rule = match_rule(config, alert.labels)
+    if rule is None:
+        return Decision("ignore", None, [], 0.0, "no rule matched")
+    plan = build_plan(config, rule, alert.labels)
+    due = not_before(rule, alert.starts_at)
+    if now < due:
+        return Decision("wait", rule.name, plan, due,
+                        f"for: acts once firing for {rule.for_s:.0f}s")
+    run = alert.labels.get(config.run_label, "")
+    cooldown = _cooldown(rule, run, log, now)
+    if cooldown is not None:
+        return Decision("skip", rule.name, plan, due, cooldown)
+    plan = _budget(config, plan, run, alert.labels.get("alertname", ""), log, now)
+    return Decision("run", rule.name, plan, due)

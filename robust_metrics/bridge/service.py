@@ -8,6 +8,7 @@ acted yet. The HTTP layer (`app.py`) only authenticates, limits and validates.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from robust_metrics.bridge import policy
@@ -63,12 +64,14 @@ class Bridge:
             if alert.status == "resolved":
                 resolved.append((alert.fingerprint, alert.starts_at, run, name))
                 continue
-            rule = policy.match_rule(self.config, alert.labels)
-            plan = policy.build_plan(self.config, rule, alert.labels) if rule else []
-            not_before = policy.not_before(rule, alert.starts_at) if rule else 0.0
+            # Recorded now: the rule, its plan and when it is due. History (cooldown, budget)
+            # is read when a worker claims it, and the same function decides again then.
+            decision = policy.decide(self.config, policy.AlertFacts(alert.labels,
+                                                                    alert.starts_at),
+                                     policy.History(), time.time())
             new.append(NewAlert(alert.fingerprint, alert.starts_at, run, name, alert.labels,
-                                alert.annotations, rule.name if rule else None, plan,
-                                not_before))
+                                alert.annotations, decision.rule, decision.plan,
+                                decision.not_before))
         fresh = self.store.accept(new) if new else []
         cancelled = self.store.resolve(resolved) if resolved else 0
         if any(fresh):

@@ -4,7 +4,9 @@ The sidecar offers `POST /control/checkpoint` (bearer token; body `{"at_step": n
 `{"request_id": n, ...}`), `GET /debug/stacks` (`{node, ranks: [{run, rank, pid, threads, error}]}`)
 and `/metrics`, where each rank's `robust_checkpoint_request_id` acknowledges the newest checkpoint
 request it has handled. Nodes of a run come from the alert (`node`, or `nodes` comma-separated) or
-from Prometheus (`robust_rank_info{run=...}`).
+from Prometheus (`robust_rank_info{run=...}`). Either way a job wrote the name: it is looked up in
+the configured sidecar hosts (`SidecarEndpoints.url`), and a name that is not one of them is never
+contacted, so the bearer token cannot be sent where a label points.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from robust_metrics import schema
-from robust_metrics.bridge.config import SidecarConfig
+from robust_metrics.bridge.config import SidecarEndpoints
 
 __all__ = ["SidecarClient", "SidecarError", "nodes_from_labels"]
 
@@ -40,13 +42,15 @@ def _promql_string(value: str) -> str:
 class SidecarClient:
     """HTTP client for sidecars (bearer token) and the Prometheus query API."""
 
-    def __init__(self, config: SidecarConfig, prometheus_url: str | None = None) -> None:
+    def __init__(self, config: SidecarEndpoints, prometheus_url: str | None = None) -> None:
         self.config = config
         self.prometheus_url = prometheus_url.rstrip("/") if prometheus_url else None
         headers = {"User-Agent": "robust-metrics-bridge"}
         if config.token:
             headers["Authorization"] = f"Bearer {config.token}"
-        self._http = httpx.Client(timeout=config.timeout_s, headers=headers)
+        # Redirects are not followed: a sidecar cannot forward the token elsewhere either.
+        self._http = httpx.Client(timeout=config.timeout_s, headers=headers,
+                                  follow_redirects=False)
         self._prom = httpx.Client(timeout=config.timeout_s)
 
     def close(self) -> None:
@@ -92,7 +96,11 @@ class SidecarClient:
 
     # ------------------------------------------------------------------ sidecar
     def _call(self, method: str, node: str, path: str, **kwargs: Any) -> httpx.Response:
-        url = self.config.url(node).rstrip("/") + path
+        base = self.config.url(node)
+        if base is None:
+            raise SidecarError(f"node {node!r} is not a configured sidecar host (sidecars.urls, "
+                               "sidecars.nodes or sidecars.node_re); not contacted")
+        url = base.rstrip("/") + path
         try:
             response = self._http.request(method, url, **kwargs)
         except httpx.HTTPError as exc:

@@ -13,11 +13,13 @@ import json
 import time
 from collections.abc import Mapping
 from typing import Any
+from urllib.parse import quote
 
 __all__ = [
     "IDEMPOTENCY_HEADER",
     "SIGNATURE_HEADER",
     "TIMESTAMP_HEADER",
+    "header_key",
     "signature",
     "signed_request",
     "verify",
@@ -34,6 +36,16 @@ def signature(secret: str, timestamp: str, body: bytes) -> str:
     return "sha256=" + mac.hexdigest()
 
 
+def header_key(key: str) -> str:
+    """`key` as an HTTP header value: UTF-8 percent-encoded outside printable ASCII, `%` and space.
+
+    Header values are ASCII; fingerprints come from alert senders and may not be. Keys made of
+    Alertmanager's hex fingerprints and RFC 3339 times are unchanged; `urllib.parse.unquote`
+    gives the key back.
+    """
+    return quote(key, safe="!#$&'()*+,/:;=?@[]^_`{|}~-.", errors="surrogatepass")
+
+
 def signed_request(payload: Mapping[str, Any], secret: str | None,
                    key: str | None = None) -> tuple[bytes, dict[str, str]]:
     """The body and headers to POST: JSON, a timestamp, the signature when a secret is set."""
@@ -44,7 +56,7 @@ def signed_request(payload: Mapping[str, Any], secret: str | None,
     if secret:
         headers[SIGNATURE_HEADER] = signature(secret, timestamp, body)
     if key:
-        headers[IDEMPOTENCY_HEADER] = key
+        headers[IDEMPOTENCY_HEADER] = header_key(key)
     return body, headers
 
 

@@ -5,6 +5,12 @@ once under a UNIQUE key, so re-sent and grouped notifications find their row and
 row is committed as `running` *before* its side effect and finished after it, so a bridge killed
 mid-action finds the row on restart and resumes or fails it, and never starts it a second time.
 
+The log identifies itself: the bridge creates it with a `meta` row (`format`), and refuses to start
+on a file that is not one (garbage, truncated, malformed, or emptied to 0 bytes) with
+`ActionLogError`, whose one-line message names the file and how to move it aside. An emptied log
+must never start silently: it has forgotten which alerts were handled, and Alertmanager's next
+re-send of a handled alert would act again.
+
 Incident statuses: pending (waiting for a worker or for its `for` guard), running, done, failed,
 skipped (cooldown), cancelled (resolved before it acted), ignored (no rule matched).
 Step statuses: running, success, failed, skipped, dry_run.
@@ -14,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import queue
 import sqlite3
 import threading
@@ -23,7 +30,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ActionStore", "Incident", "NewAlert", "Step", "incident_key"]
+from robust_metrics.bridge.payload import incident_key
+from robust_metrics.bridge.policy import Decision, History
+
+__all__ = ["ActionLogError", "ActionStore", "Incident", "NewAlert", "Step", "incident_key"]
+
+LOG_FORMAT = "robust-metrics-bridge-action-log/1"
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS incidents (
@@ -59,14 +71,67 @@ CREATE TABLE IF NOT EXISTS steps (
     PRIMARY KEY (incident_id, idx)
 );
 CREATE INDEX IF NOT EXISTS steps_action ON steps(action, started);
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
 
+
+class ActionLogError(RuntimeError):
+    """The action log cannot be used as it is; the message is one line naming the file and what
+    to do (the bridge exits with status 2 rather than start without its history)."""
+
+
+def _move_aside_hint(path: str) -> str:
+    return (f"if it cannot be restored from a backup, move it aside (mv {path} {path}.bad; "
+            f"likewise {path}-wal and {path}-shm if present) to start a new, empty log "
+            "(see 'The action log' in docs/bridge.md)")
+
+
+def _open_log(path: str) -> sqlite3.Connection:
+    """Connect, check integrity and identity, create the schema; ActionLogError when unusable."""
+    existed = path != ":memory:" and os.path.exists(path)
+    try:
+        db = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=30)
+    except sqlite3.Error as exc:
+        raise ActionLogError(f"action log {path}: cannot open it: {exc}") from None
+    try:
+        db.row_factory = sqlite3.Row
+        # Read-only checks first: a refused file is left exactly as it was found.
+        problems = [r[0] for r in db.execute("PRAGMA quick_check").fetchall()]
+        if problems != ["ok"]:
+            raise sqlite3.DatabaseError("; ".join(problems[:3]))
+        tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        if existed and "incidents" not in tables:
+            raise ActionLogError(f"action log {path} holds no action log (empty or foreign "
+                                 "file; the bridge writes a header into every log it creates): "
+                                 "its history is gone, and re-sent alerts would act again; "
+                                 + _move_aside_hint(path))
+        if "meta" in tables:
+            row = db.execute("SELECT value FROM meta WHERE key='format'").fetchone()
+            if row is None or row[0] != LOG_FORMAT:
+                raise ActionLogError(f"action log {path} has format {row and row[0]!r}, not "
+                                     f"{LOG_FORMAT!r}; " + _move_aside_hint(path))
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=FULL")  # a committed step row survives power loss
+        db.execute("PRAGMA foreign_keys=ON")
+        db.executescript(_SCHEMA)
+        db.execute("INSERT OR IGNORE INTO meta (key, value) VALUES ('format', ?)", (LOG_FORMAT,))
+    except ActionLogError:
+        db.close()
+        raise
+    except sqlite3.OperationalError as exc:
+        db.close()
+        if "locked" in str(exc):
+            raise ActionLogError(f"action log {path} is locked by another process (is another "
+                                 f"bridge using it?): {exc}") from None
+        raise ActionLogError(f"action log {path} is unusable ({exc}); "
+                             + _move_aside_hint(path)) from None
+    except sqlite3.DatabaseError as exc:
+        db.close()
+        raise ActionLogError(f"action log {path} is corrupt ({exc}); "
+                             + _move_aside_hint(path)) from None
+    return db
+
 FINAL_INCIDENT = ("done", "failed", "skipped", "cancelled", "ignored")
-
-
-def incident_key(fingerprint: str, starts_at: str) -> str:
-    """The idempotency key of one alert instance (Alertmanager keeps startsAt across re-sends)."""
-    return f"{fingerprint}@{starts_at}"
 
 
 @dataclass(frozen=True)
@@ -168,13 +233,7 @@ class ActionStore:
     def __init__(self, path: str) -> None:
         self.path = path
         self._lock = threading.RLock()
-        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None,
-                                   timeout=30)
-        self._db.row_factory = sqlite3.Row
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")  # a committed step row survives power loss
-        self._db.execute("PRAGMA foreign_keys=ON")
-        self._db.executescript(_SCHEMA)
+        self._db = _open_log(path)
         self._writes: queue.SimpleQueue[_Write | None] = queue.SimpleQueue()
         self._writer = threading.Thread(target=self._write_loop, name="bridge-store-writer",
                                         daemon=True)
@@ -326,14 +385,19 @@ class ActionStore:
                        (now,))
         return notes
 
-    def claim(self, now: float | None = None,
-              cooldown_s: Callable[[str | None], float] = lambda rule: 0.0,
-              ) -> tuple[Incident, Incident | None] | None:
+    def claim(self, decide: Callable[[Incident, History, float], Decision],
+              horizon_s: float, now: float | None = None,
+              ) -> tuple[Incident, Decision] | None:
         """Take the oldest due incident whose run has nothing else running (actions per run are
-        serial: two restarts of one job must not race), in one transaction with the cooldown check.
+        serial: two restarts of one job must not race), decide it and persist the decision, in
+        one transaction: no other worker can act on the run between reading its history and
+        recording what it does.
 
-        Returns `(incident, None)` to run it, `(incident, other)` when it was skipped because
-        `other`, of the same rule and run, acted within the rule's cooldown; None when idle.
+        `decide(incident, history, now)` is the policy (`policy.decide`); `history` is what the
+        log holds about the incident's run within `horizon_s`. Returns the incident as
+        persisted and the decision (`run`: it is now running; `skip`, `ignore`: closed;
+        `wait`: still pending, later), or None when nothing is due. An incident a previous
+        bridge process had started is resumed with its recorded plan, not decided again.
         """
         now = time.time() if now is None else now
         with self._tx() as db:
@@ -347,24 +411,44 @@ class ActionStore:
             if incident.started is not None:  # resumed after a restart of the bridge
                 db.execute("UPDATE incidents SET status='running', updated=? WHERE id=?",
                            (now, incident.id))
-                return incident, None
-            cooldown = cooldown_s(incident.rule)
-            other_row = db.execute(
-                "SELECT * FROM incidents WHERE run=? AND rule=? AND id != ? AND started >= ? "
-                "ORDER BY started DESC LIMIT 1",
-                (incident.run, incident.rule, incident.id, now - cooldown),
-            ).fetchone() if cooldown > 0 else None
-            if other_row is not None:
-                other = _incident(other_row)
-                reason = (f"cooldown: rule {incident.rule} acted on run {incident.run} "
-                          f"{now - (other.started or now):.0f}s ago (incident {other.id}; "
-                          f"cooldown {cooldown:.0f}s)")
-                db.execute("UPDATE incidents SET status='skipped', reason=?, updated=? "
-                           "WHERE id=?", (reason, now, incident.id))
-                return dataclasses.replace(incident, status="skipped", reason=reason), other
-            db.execute("UPDATE incidents SET status='running', started=?, updated=? WHERE id=?",
-                       (now, now, incident.id))
-            return dataclasses.replace(incident, status="running", started=now), None
+                return (dataclasses.replace(incident, status="running"),
+                        Decision("run", incident.rule, incident.plan, incident.not_before,
+                                 "resumed"))
+            decision = decide(incident, self._history(db, incident, now - horizon_s), now)
+            return dataclasses.replace(incident, **self._persist(db, incident, decision, now)), \
+                decision
+
+    @staticmethod
+    def _history(db: sqlite3.Connection, incident: Incident, since: float) -> History:
+        last = {r["rule"]: (int(r["id"]), float(r["started"])) for r in db.execute(
+            "SELECT rule, id, MAX(started) AS started FROM incidents WHERE run=? AND id != ? "
+            "AND rule IS NOT NULL AND started >= ? GROUP BY rule",
+            (incident.run, incident.id, since))}
+        restarts = tuple(float(r[0]) for r in db.execute(
+            "SELECT s.started FROM steps s JOIN incidents i ON i.id = s.incident_id "
+            "WHERE i.run=? AND s.action='restart' AND s.started >= ? AND s.status != 'skipped'",
+            (incident.run, since)))
+        return History(last, restarts)
+
+    @staticmethod
+    def _persist(db: sqlite3.Connection, incident: Incident, decision: Decision,
+                 now: float) -> dict[str, Any]:
+        """Write a decision on a pending incident; returns the fields that changed."""
+        plan = json.dumps(decision.plan)
+        if decision.verdict == "run":
+            db.execute("UPDATE incidents SET status='running', started=?, updated=?, rule=?, "
+                       "plan=? WHERE id=?", (now, now, decision.rule, plan, incident.id))
+            return {"status": "running", "started": now, "rule": decision.rule,
+                    "plan": decision.plan}
+        if decision.verdict == "wait":
+            db.execute("UPDATE incidents SET not_before=?, updated=? WHERE id=?",
+                       (decision.not_before, now, incident.id))
+            return {"not_before": decision.not_before}
+        status = "skipped" if decision.verdict == "skip" else "ignored"
+        db.execute("UPDATE incidents SET status=?, reason=?, updated=?, rule=?, plan=? "
+                   "WHERE id=?", (status, decision.reason, now, decision.rule, plan, incident.id))
+        return {"status": status, "reason": decision.reason, "rule": decision.rule,
+                "plan": decision.plan}
 
     def next_due(self) -> float | None:
         with self._lock:
@@ -378,10 +462,6 @@ class ActionStore:
         with self._tx() as db:
             db.execute("UPDATE incidents SET status=?, reason=?, updated=? WHERE id=?",
                        (status, reason, now, incident_id))
-
-    def set_plan(self, incident_id: int, plan: list[dict[str, Any]]) -> None:
-        with self._tx() as db:
-            db.execute("UPDATE incidents SET plan=? WHERE id=?", (json.dumps(plan), incident_id))
 
     def start_step(self, incident_id: int, idx: int, action: str, now: float | None = None) -> None:
         """Commit the step as running before its side effect (the crash-safety point)."""
@@ -412,17 +492,6 @@ class ActionStore:
                            "WHERE incident_id=? AND idx=?",
                            (status, detail, now, json.dumps(dict(data), default=str),
                             incident_id, idx))
-
-    def count_steps(self, run: str, action: str, since: float,
-                    statuses: tuple[str, ...] = ("running", "success", "failed", "dry_run")) -> int:
-        """How many `action` steps of `run` started since `since` (the restart budget)."""
-        marks = ",".join("?" * len(statuses))
-        with self._lock:
-            row = self._db.execute(
-                f"SELECT COUNT(*) FROM steps s JOIN incidents i ON i.id = s.incident_id "
-                f"WHERE i.run=? AND s.action=? AND s.started >= ? AND s.status IN ({marks})",
-                (run, action, since, *statuses)).fetchone()
-        return int(row[0])
 
     # ------------------------------------------------------------------ reading
     def steps(self, incident_id: int) -> list[Step]:

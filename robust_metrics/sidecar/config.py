@@ -11,15 +11,13 @@ import os
 import socket
 from dataclasses import dataclass, field
 
+from robust_metrics.configuration import ConfigError
+
 __all__ = ["DEFAULT_LISTEN", "DEFAULT_PORT", "ConfigError", "SidecarConfig", "parse_listen"]
 
 DEFAULT_PORT = 9741
 DEFAULT_LISTEN = f"127.0.0.1:{DEFAULT_PORT}"
 DEFAULT_NCCL_RAS_ADDR = "localhost:28028"
-
-
-class ConfigError(ValueError):
-    """A setting that cannot work; the message names it. The CLI exits with status 2."""
 
 
 def parse_listen(value: str) -> tuple[str, int]:

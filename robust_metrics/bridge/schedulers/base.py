@@ -12,6 +12,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from robust_metrics.configuration import ConfigError
+
 __all__ = [
     "ActionResult",
     "Scheduler",
@@ -85,7 +87,7 @@ def check_keys(config: Mapping[str, Any], allowed: Iterable[str], scheduler: str
     known = set(allowed) | {"_base_dir"}  # `_base_dir` is set by the bridge, not the user
     unknown = sorted(set(config) - known)
     if unknown:
-        raise ValueError(f"{scheduler} scheduler: unknown key(s) {', '.join(unknown)} "
+        raise ConfigError(f"{scheduler} scheduler: unknown key(s) {', '.join(unknown)} "
                          f"(allowed: {', '.join(sorted(known - {'_base_dir'}))})")
 
 
@@ -117,7 +119,7 @@ def names() -> list[str]:
 
 
 def create(name: str, config: Mapping[str, Any]) -> Scheduler:
-    """Build the adapter called `name`; ValueError names the valid choices."""
+    """Build the adapter called `name`; ConfigError names the valid choices or the bad key."""
     if name not in _FACTORIES and name in _BUILTIN_MODULES:
         import importlib
 
@@ -125,5 +127,5 @@ def create(name: str, config: Mapping[str, Any]) -> Scheduler:
     try:
         factory = _FACTORIES[name]
     except KeyError:
-        raise ValueError(f"unknown scheduler {name!r}: choose one of {', '.join(names())}") from None
+        raise ConfigError(f"unknown scheduler {name!r}: choose one of {', '.join(names())}") from None
     return factory(config)

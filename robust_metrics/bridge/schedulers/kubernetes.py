@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from robust_metrics.bridge.schedulers.base import ActionResult, SchedulerError, check_keys, register
+from robust_metrics.configuration import ConfigError
 
 __all__ = ["KINDS", "JobKind", "KubernetesScheduler"]
 
@@ -97,18 +98,18 @@ class KubernetesScheduler:
         check_keys(config, _KEYS, "kubernetes")
         kind = str(config.get("kind", "PyTorchJob"))
         if kind not in KINDS:
-            raise ValueError(f"kubernetes scheduler: `kind` is one of {', '.join(KINDS)}, "
+            raise ConfigError(f"kubernetes scheduler: `kind` is one of {', '.join(KINDS)}, "
                              f"got {kind!r}")
         self.kind = KINDS[kind]
         if config.get("api_version"):  # e.g. jobset.x-k8s.io/v1alpha1 on an older JobSet
             group, _, version = str(config["api_version"]).rpartition("/")
             if group != self.kind.group or not version:
-                raise ValueError(f"kubernetes scheduler: `api_version` must be "
+                raise ConfigError(f"kubernetes scheduler: `api_version` must be "
                                  f"{self.kind.group}/<version> for {kind}")
             self.kind = JobKind(**{**self.kind.__dict__, "version": version})
         self.restart_strategy = str(config.get("restart_strategy", "delete_pods"))
         if self.restart_strategy not in ("delete_pods", "suspend"):
-            raise ValueError("kubernetes scheduler: `restart_strategy` is `delete_pods` or "
+            raise ConfigError("kubernetes scheduler: `restart_strategy` is `delete_pods` or "
                              f"`suspend`, got {self.restart_strategy!r}")
         self.grace_period_s = int(_number(config, "pod_grace_period_s", 30, minimum=0))
         self.suspend_timeout_s = _number(config, "suspend_timeout_s", 300, minimum=1)
@@ -119,7 +120,7 @@ class KubernetesScheduler:
         for key, value in (("namespace", self.namespace),
                            ("node_event_namespace", self.node_event_namespace)):
             if not _NAME.match(value):
-                raise ValueError(f"kubernetes scheduler: `{key}` {value!r} is not a valid name")
+                raise ConfigError(f"kubernetes scheduler: `{key}` {value!r} is not a valid name")
         from kubernetes import client
 
         self.core = client.CoreV1Api(self.api)
@@ -285,7 +286,7 @@ def _api_client(config: Mapping[str, Any]) -> Any:
 
     auth = str(config.get("auth", "auto"))
     if auth not in ("auto", "in_cluster", "kubeconfig"):
-        raise ValueError(f"kubernetes scheduler: `auth` is auto, in_cluster or kubeconfig, "
+        raise ConfigError(f"kubernetes scheduler: `auth` is auto, in_cluster or kubeconfig, "
                          f"got {auth!r}")
     if auth == "in_cluster" or (auth == "auto" and os.environ.get("KUBERNETES_SERVICE_HOST")
                                 and not config.get("kubeconfig")):
@@ -293,19 +294,19 @@ def _api_client(config: Mapping[str, Any]) -> Any:
         try:
             kube_config.load_incluster_config(client_configuration=configuration)
         except kube_config.ConfigException as exc:
-            raise ValueError(f"kubernetes scheduler: in-cluster auth failed: {exc}") from None
+            raise ConfigError(f"kubernetes scheduler: in-cluster auth failed: {exc}") from None
         configuration.retries = 1
         return client.ApiClient(configuration)
     path = _kubeconfig_path(config)
     if not path.exists():
-        raise ValueError(f"kubernetes scheduler: kubeconfig {path} not found (set `kubeconfig`, "
+        raise ConfigError(f"kubernetes scheduler: kubeconfig {path} not found (set `kubeconfig`, "
                          "$KUBECONFIG, or run in a pod with `auth: in_cluster`)")
     try:
         api = kube_config.new_client_from_config(config_file=str(path),
                                                  context=config.get("context"),
                                                  persist_config=False)
     except (kube_config.ConfigException, ValueError, OSError) as exc:
-        raise ValueError(f"kubernetes scheduler: kubeconfig {path}: {exc}") from None
+        raise ConfigError(f"kubernetes scheduler: kubeconfig {path}: {exc}") from None
     api.configuration.retries = 1
     return api
 
@@ -347,9 +348,9 @@ def _number(config: Mapping[str, Any], key: str, default: float, minimum: float)
     try:
         value = float(config.get(key, default))
     except (TypeError, ValueError):
-        raise ValueError(f"kubernetes scheduler: `{key}` must be a number") from None
+        raise ConfigError(f"kubernetes scheduler: `{key}` must be a number") from None
     if value < minimum:
-        raise ValueError(f"kubernetes scheduler: `{key}` must be at least {minimum:g}")
+        raise ConfigError(f"kubernetes scheduler: `{key}` must be at least {minimum:g}")
     return value
 
 

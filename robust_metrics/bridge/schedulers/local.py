@@ -4,7 +4,8 @@ It is what the demo uses to restart a `torchrun` job, and what a single-node use
 The process of each run is started in its own session (process group), so a restart stops the
 whole tree (torchrun and its workers): SIGTERM to the group, `stop_timeout_s` to exit, then SIGKILL.
 
-The pid, its start time and the id of the last operation are kept in `state_dir/<run>.json`, so a
+The pid, its start time and the id of the last operation are kept in `state_dir/<run>.json` (the
+run name percent-encoded, so distinct runs never share a file), so a
 bridge that was killed and started again still knows which process to stop (and does not kill a
 stranger that reused the pid), and can tell whether an interrupted restart completed.
 
@@ -26,9 +27,9 @@ Config::
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
-import re
 import shlex
 import signal
 import subprocess
@@ -37,15 +38,27 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import psutil
 
 from robust_metrics.bridge.schedulers.base import ActionResult, SchedulerError, check_keys, register
+from robust_metrics.configuration import ConfigError
 
 __all__ = ["LocalScheduler"]
 
 _KEYS = {"command", "cwd", "env", "state_dir", "log_dir", "stop_timeout_s", "_base_dir"}
-_SAFE = re.compile(r"[^A-Za-z0-9_.-]")
+
+
+def _file_stem(run: str) -> str:
+    """One file name per run, never shared: percent-encoding keeps `job 1` (`job%201`) apart
+    from `job_1`, and names of letters, digits, `_`, `.`, `-` unchanged. Long names are cut and
+    end in `%-<sha256>`, which no encoded name can spell (its `%` is always followed by hex)."""
+    stem = quote(run, safe="", errors="surrogatepass")
+    if len(stem) <= 200:
+        return stem
+    digest = hashlib.sha256(run.encode("utf-8", "surrogatepass")).hexdigest()
+    return f"{stem[:100]}%-{digest}"
 
 
 class LocalScheduler:
@@ -60,14 +73,14 @@ class LocalScheduler:
             command = shlex.split(command)
         if not isinstance(command, list) or not command or not all(
                 isinstance(c, str) for c in command):
-            raise ValueError("local scheduler: `command` must be a non-empty list of strings "
+            raise ConfigError("local scheduler: `command` must be a non-empty list of strings "
                              "(or one shell-quoted string)")
         base = Path(str(config.get("_base_dir", ".")))
         self.command: list[str] = command
         self.cwd = str((base / str(config.get("cwd", "."))).resolve())
         env = config.get("env") or {}
         if not isinstance(env, Mapping):
-            raise ValueError("local scheduler: `env` must be a mapping of strings")
+            raise ConfigError("local scheduler: `env` must be a mapping of strings")
         self.env = {str(k): str(v) for k, v in env.items()}
         self.state_dir = (base / str(config.get("state_dir", "local-scheduler"))).resolve()
         self.log_dir = (base / str(config["log_dir"])).resolve() if config.get(
@@ -78,7 +91,7 @@ class LocalScheduler:
 
     # ------------------------------------------------------------------ state
     def _state_path(self, run: str) -> Path:
-        return self.state_dir / f"{_SAFE.sub('_', run)}.json"
+        return self.state_dir / f"{_file_stem(run)}.json"
 
     def state(self, run: str) -> dict[str, Any]:
         """The recorded process of `run` (empty when it was never started here)."""
@@ -139,7 +152,7 @@ class LocalScheduler:
         env = {**os.environ, **{k: v.replace("{run}", run) for k, v in self.env.items()},
                "ROBUST_METRICS_RUN": run}
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        log_path = self.log_dir / f"{_SAFE.sub('_', run)}.log"
+        log_path = self.log_dir / f"{_file_stem(run)}.log"
         try:
             with open(log_path, "ab") as log:
                 child = subprocess.Popen(argv, cwd=self.cwd, env=env, stdout=log,

@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from robust_metrics.bridge.schedulers.base import ActionResult, SchedulerError, check_keys, register
+from robust_metrics.configuration import ConfigError, Secret, secret_ref
 
 __all__ = ["SlurmScheduler"]
 
@@ -67,28 +68,25 @@ class SlurmScheduler:
         base = Path(str(config.get("_base_dir", ".")))
         url = config.get("url")
         if url is not None and (not isinstance(url, str) or not re.match(r"^https?://", url)):
-            raise ValueError(f"slurm scheduler: `url` must be an http(s) URL, got {url!r}")
+            raise ConfigError(f"slurm scheduler: `url` must be an http(s) URL, got {url!r}")
         self.url: str | None = url.rstrip("/") if url else None
         self.api_version = str(config.get("api_version", "v0.0.38"))
         if not _API_VERSION.match(self.api_version):
-            raise ValueError(f"slurm scheduler: `api_version` must look like v0.0.38, got "
+            raise ConfigError(f"slurm scheduler: `api_version` must look like v0.0.38, got "
                              f"{self.api_version!r}")
         self.user = str(config.get("user") or getpass.getuser())
-        if sum(k in config for k in ("token", "token_file", "token_env")) > 1:
-            raise ValueError("slurm scheduler: give one of `token`, `token_file`, `token_env`")
-        self._token = str(config["token"]) if config.get("token") else None
-        self._token_file = (base / str(config["token_file"])) if config.get(
-            "token_file") else None
-        self._token_env = str(config.get("token_env", "SLURM_JWT"))
+        # Read at each request, so a cron job that rotates the JWT needs no bridge restart.
+        self._token = secret_ref(config, "token", "slurm scheduler", base) or Secret(
+            "slurm scheduler", "token_env", "env", "SLURM_JWT")
         self.timeout_s = _positive(config, "timeout_s", 10.0)
         self.cli_timeout_s = _positive(config, "cli_timeout_s", 30.0)
         verify = config.get("verify_tls", True)
         if not isinstance(verify, bool | str):
-            raise ValueError("slurm scheduler: `verify_tls` is true, false or a CA bundle path")
+            raise ConfigError("slurm scheduler: `verify_tls` is true, false or a CA bundle path")
         self.verify_tls: bool | str = str(base / verify) if isinstance(verify, str) else verify
         self.signal_scope = str(config.get("signal_scope", "full"))
         if self.signal_scope not in ("full", "steps"):
-            raise ValueError(f"slurm scheduler: `signal_scope` is `full` or `steps`, got "
+            raise ConfigError(f"slurm scheduler: `signal_scope` is `full` or `steps`, got "
                              f"{self.signal_scope!r}")
         self.scontrol = str(config.get("scontrol", "scontrol"))
         self.scancel = str(config.get("scancel", "scancel"))
@@ -156,20 +154,14 @@ class SlurmScheduler:
 
     # ------------------------------------------------------------------ transport
     def token(self) -> str:
-        if self._token:
-            return self._token
-        if self._token_file is not None:
-            try:
-                text = self._token_file.read_text().strip()
-            except OSError as exc:
-                raise SchedulerError(f"slurm: cannot read token_file {self._token_file}: "
-                                     f"{exc.strerror}") from None
-            return text.removeprefix("SLURM_JWT=")
-        value = os.environ.get(self._token_env, "")
-        if not value:
-            raise SchedulerError(f"slurm: no JWT for slurmrestd: set `token`, `token_file` or "
-                                 f"the environment variable {self._token_env} (`scontrol token`)")
-        return value
+        try:
+            return self._token.read().removeprefix("SLURM_JWT=")
+        except ConfigError as exc:
+            if self._token.kind == "env":
+                raise SchedulerError(f"slurm: no JWT for slurmrestd: set `token`, `token_file` "
+                                     f"or the environment variable {self._token.ref} "
+                                     "(`scontrol token`)") from None
+            raise SchedulerError(f"slurm: {exc}") from None
 
     def _rest(self, method: str, path: str, params: Mapping[str, str] | None = None
               ) -> dict[str, Any]:
@@ -242,9 +234,9 @@ def _positive(config: Mapping[str, Any], key: str, default: float) -> float:
     try:
         value = float(config.get(key, default))
     except (TypeError, ValueError):
-        raise ValueError(f"slurm scheduler: `{key}` must be a number") from None
+        raise ConfigError(f"slurm scheduler: `{key}` must be a number") from None
     if value <= 0:
-        raise ValueError(f"slurm scheduler: `{key}` must be positive")
+        raise ConfigError(f"slurm scheduler: `{key}` must be positive")
     return value
 
 

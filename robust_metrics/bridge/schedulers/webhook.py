@@ -17,39 +17,19 @@ Config::
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import httpx
 
 from robust_metrics.bridge.schedulers.base import ActionResult, SchedulerError, check_keys, register
 from robust_metrics.bridge.signing import signed_request
+from robust_metrics.configuration import ConfigError, resolve_secret
 
 __all__ = ["WebhookScheduler"]
 
 _KEYS = {"url", "secret", "secret_file", "secret_env", "timeout_s", "headers", "_base_dir"}
-
-
-def _secret(config: Mapping[str, Any]) -> str | None:
-    if config.get("secret"):
-        return str(config["secret"])
-    if config.get("secret_file"):
-        path = Path(config.get("_base_dir", ".")) / str(config["secret_file"])
-        try:
-            return path.read_text().strip()
-        except OSError as exc:
-            raise ValueError(f"webhook scheduler: cannot read secret_file {path}: "
-                             f"{exc.strerror}") from None
-    if config.get("secret_env"):
-        value = os.environ.get(str(config["secret_env"]))
-        if not value:
-            raise ValueError(f"webhook scheduler: environment variable {config['secret_env']} "
-                             "is not set")
-        return value
-    return None
 
 
 class WebhookScheduler:
@@ -61,13 +41,14 @@ class WebhookScheduler:
         check_keys(config, _KEYS, "webhook")
         url = config.get("url")
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-            raise ValueError(f"webhook scheduler: `url` must be an http(s) URL, got {url!r}")
+            raise ConfigError(f"webhook scheduler: `url` must be an http(s) URL, got {url!r}")
         self.url = url
-        self.secret = _secret(config)
+        self.secret = resolve_secret(config, "secret", "webhook scheduler",
+                                     str(config.get("_base_dir", ".")))
         self.timeout_s = float(config.get("timeout_s", 10.0))
         headers = config.get("headers") or {}
         if not isinstance(headers, Mapping):
-            raise ValueError("webhook scheduler: `headers` must be a mapping")
+            raise ConfigError("webhook scheduler: `headers` must be a mapping")
         self.headers = {str(k): str(v) for k, v in headers.items()}
         self._http = httpx.Client(timeout=self.timeout_s)  # reused: no TLS set-up per request
 
