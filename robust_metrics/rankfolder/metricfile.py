@@ -132,7 +132,11 @@ class MetricFile:
                 raise PermissionError(f"{path}: not a regular file of this user")
             os.ftruncate(self._fd, 0)  # a pid reused from a dead process starts afresh
             self._capacity = 0
-            self._reserve(_CHUNK)
+            try:
+                self._reserve(_CHUNK)
+            except OSError:  # a full disk: leave no empty file for the sidecar to flag as corrupt
+                os.unlink(path)
+                raise
         except BaseException:
             os.close(self._fd)
             raise
