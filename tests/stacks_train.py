@@ -87,7 +87,9 @@ def main() -> None:
     if os.environ.get("ROBUST_METRICS_DIR"):
         import robust_metrics
 
-        handle = robust_metrics.watch(model, optimizer)
+        # a made-up 2 x 2 layout, so that tests can check the topology reaches every report
+        handle = robust_metrics.watch(model, optimizer, topology={
+            "dp_rank": rank % 2, "pp_rank": 0, "tp_rank": rank // 2})
     generator = torch.Generator().manual_seed(rank)
     for step in range(args.steps):
         at_stall = step == args.stall_step

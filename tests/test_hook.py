@@ -17,8 +17,8 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.multiprocess import MultiProcessCollector
 
 import robust_metrics
-from robust_metrics.hooks.control import write_checkpoint_request
 from robust_metrics.hooks.watch import Watch
+from robust_metrics.rankfolder.control import write_checkpoint_request
 from tests.support import free_port, require_binary
 
 

@@ -15,7 +15,7 @@ import httpx
 import pytest
 from starlette.testclient import TestClient
 
-from robust_metrics.hooks import control
+from robust_metrics.rankfolder import control
 from robust_metrics.sidecar.auth import load_web_config
 from robust_metrics.sidecar.config import ConfigError, SidecarConfig, parse_listen
 from robust_metrics.sidecar.main import EXIT_BIND, EXIT_CONFIG, build
@@ -49,7 +49,8 @@ def bearer(token: str = TOKEN) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"}
 
 
-def test_importing_and_building_the_sidecar_never_imports_torch(tmp_path: Path) -> None:
+def test_importing_and_building_the_sidecar_never_imports_torch_or_the_hook(
+        tmp_path: Path) -> None:
     code = (
         "import sys\n"
         "from robust_metrics.sidecar.main import build\n"
@@ -57,7 +58,8 @@ def test_importing_and_building_the_sidecar_never_imports_torch(tmp_path: Path) 
         "import robust_metrics.sidecar.collectors, robust_metrics.sidecar.app\n"
         f"app, folder, _ = build(SidecarConfig(directory={str(tmp_path / 'm')!r}, "
         "collectors=['ranks', 'process', 'nvml', 'nic', 'nccl']))\n"
-        "bad = [m for m in sys.modules if m == 'torch' or m.startswith('torch.')]\n"
+        "bad = [m for m in sys.modules if m.split('.')[0] == 'torch'\n"
+        "       or m.startswith('robust_metrics.hooks')]\n"
         "assert not bad, bad\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60,

@@ -13,7 +13,7 @@ import pytest
 from robust_metrics import schema
 from robust_metrics.hooks.sinks import MultiprocessSink
 from robust_metrics.hooks.store import MetricStore
-from robust_metrics.sidecar.mmapfile import CorruptFile, parse_name, read_entries
+from robust_metrics.rankfolder.metricfile import CorruptFile, parse_name, read_entries
 from robust_metrics.sidecar.rankdir import RankFolder
 
 

@@ -150,6 +150,17 @@ def test_through_the_sidecar_and_prometheus_with_one_sidecar_unreachable(
         assert code == 1, (report, sidecar.output())
         assert report["suspect_ranks"] == [2] and report["nodes"] == ["gpu-node-7"]
         assert report["ranks_analysed"] == 4
+        # the same identity and topology as read from the folder itself (node: the sidecar's name)
+        code, local = stacks_json("--metrics-dir", str(data_stall.metrics), "--samples", "2",
+                                  "--interval", "0.3")
+        assert code == 1, local
+        coordinates = ("rank", "pid", "local_rank", "dp_rank", "pp_rank", "tp_rank")
+        assert [{k: s[k] for k in coordinates} for s in report["suspects"]] == [
+            {k: s[k] for k in coordinates} for s in local["suspects"]] == [
+            {"rank": 2, "pid": data_stall.ranks.pids[2], "local_rank": 2, "dp_rank": 0,
+             "pp_rank": 0, "tp_rank": 1}]
+        assert report["topology"] == local["topology"] != {}
+        assert report["missing_ranks"] == local["missing_ranks"] == []
         (error,) = report["errors"]
         assert error["source"] == f"http://{unreachable}/debug/stacks"
         assert "cannot reach" in error["error"]

@@ -22,6 +22,7 @@ from typing import Any
 
 from robust_metrics.analysis import stacks_sources as sources
 from robust_metrics.analysis.stacks import analyse
+from robust_metrics.rankfolder.identity import rank_info as identity_rank_info
 
 __all__ = ["EXIT_BAD_INPUT", "EXIT_NOTHING", "EXIT_SUSPECTS", "configure", "format_report", "run"]
 
@@ -115,6 +116,8 @@ def run(args: argparse.Namespace) -> int:
         dumps.extend(collect())
         if i + 1 < args.samples:
             time.sleep(max(0.0, args.interval - (time.monotonic() - started)))
+    if rank_info is None and args.sidecars:
+        rank_info = identity_rank_info(d for d in dumps if isinstance(d, dict))
     if run_id is None:
         runs = sorted({str(d["run"]) for d in dumps if d.get("run")})
         if len(runs) > 1:

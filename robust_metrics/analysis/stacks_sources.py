@@ -9,13 +9,14 @@ entry with an `error` and no rank, so the rest of the job is still analysed.
 from __future__ import annotations
 
 import json
-import os
 import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+
+from robust_metrics.rankfolder.identity import read_identities
 
 __all__ = [
     "SourceError",
@@ -178,24 +179,19 @@ def _escape(value: str) -> str:
 
 
 def identities_from_dir(metrics_dir: str, run: str | None = None) -> dict[int, dict[str, Any]]:
-    """`ranks/<pid>.json` files the hook writes in multiprocess mode, keyed by pid."""
-    folder = os.path.join(metrics_dir, "ranks")
-    if not os.path.isdir(folder):
+    """`ranks/<pid>.json` files the hook writes in multiprocess mode, keyed by pid.
+
+    Each value has the identity's label fields (as the sidecar sends them) plus `started`.
+    """
+    try:
+        found = read_identities(metrics_dir, run)
+    except FileNotFoundError:
         raise SourceError(f"{metrics_dir!r} has no ranks/ folder: is it the ranks' "
-                          "ROBUST_METRICS_DIR?")
-    out: dict[int, dict[str, Any]] = {}
-    for name in sorted(os.listdir(folder)):
-        if not name.endswith(".json"):
-            continue
-        try:
-            with open(os.path.join(folder, name)) as f:
-                ident = json.load(f)
-            pid = int(ident["pid"])
-        except (OSError, ValueError, KeyError, TypeError):
-            continue  # half-written or foreign file
-        if run is None or ident.get("run") == run:
-            out[pid] = ident
-    return out
+                          "ROBUST_METRICS_DIR?") from None
+    except OSError as exc:
+        raise SourceError(f"cannot read {metrics_dir!r}/ranks: {exc}") from None
+    return {pid: {**ident.labels(), "pid": pid, "started": ident.started}
+            for pid, ident in found.items()}
 
 
 def local_dumps(pids: list[int], identities: dict[int, dict[str, Any]] | None = None, *,

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 from robust_metrics.hooks.store import MetricStore, Series
+from robust_metrics.rankfolder.metricfile import MetricFile, file_name, metric_key
 from robust_metrics.schema import MetricType
 
 __all__ = ["HttpSink", "MultiprocessSink", "NullSink", "OtelSink", "Sink", "make_sink"]
@@ -45,47 +47,70 @@ def _file_prefix(spec_type: MetricType, gauge_mode: str) -> str:
 
 
 class MultiprocessSink:
-    """Writes prometheus_client multiprocess `.db` files, one per metric type, named by pid."""
+    """Writes the rank folder's multiprocess files, one per metric type, named by pid.
+
+    The file format and its writer belong to `robust_metrics.rankfolder.metricfile`; this sink maps
+    the store's series onto it. When the files vanish (the folder was removed under a running job)
+    they are created again on the next flush, so the sidecar sees the rank again; when that fails
+    (a full disk, a folder that cannot be made) `flush` raises OSError, which the hook counts.
+    """
 
     def __init__(self, directory: str, pid: int | None = None) -> None:
-        from prometheus_client.mmap_dict import MmapedDict, mmap_key
-
         os.makedirs(directory, exist_ok=True)
         self.directory = directory
         self.pid = os.getpid() if pid is None else pid
-        self._mmap_dict = MmapedDict
-        self._mmap_key = mmap_key
-        self._files: dict[str, Any] = {}
-        self._keys: dict[tuple[int, str], tuple[Any, str]] = {}
+        self._files: dict[str, MetricFile] = {}
+        self._keys: dict[tuple[int, str], tuple[str, str]] = {}
+        self.on_reopen: Callable[[], None] | None = None
+        """Runs after vanished files were started again (the hook rewrites its identity)."""
 
-    def _slot(self, series: Series, name: str) -> tuple[Any, str]:
+    def _file(self, prefix: str) -> MetricFile:
+        mmap_file = self._files.get(prefix)
+        if mmap_file is None:
+            path = os.path.join(self.directory, file_name(prefix, self.pid))
+            mmap_file = self._files[prefix] = MetricFile(path)
+        return mmap_file
+
+    def _slot(self, series: Series, name: str) -> tuple[str, str]:
         key = (id(series), name)
         slot = self._keys.get(key)
         if slot is None:
             spec = series.spec
             prefix = _file_prefix(spec.type, spec.gauge_mode)
-            mmap_file = self._files.get(prefix)
-            if mmap_file is None:
-                path = os.path.join(self.directory, f"{prefix}_{self.pid}.db")
-                mmap_file = self._files[prefix] = self._mmap_dict(path)
-            key_text = self._mmap_key(
-                spec.base_name, name, list(spec.labels), list(series.labels), spec.help
-            )
-            slot = self._keys[key] = (mmap_file, key_text)
+            key_text = metric_key(spec.base_name, name, list(spec.labels), list(series.labels),
+                                  spec.help)
+            slot = self._keys[key] = (prefix, key_text)
         return slot
 
     def flush(self, store: MetricStore) -> None:
+        if any(f.vanished() for f in self._files.values()):
+            self._reopen()
         for sample in store.samples():
-            mmap_file, key_text = self._slot(sample.series, sample.name)
+            prefix, key_text = self._slot(sample.series, sample.name)
             timestamp = sample.series.updated if sample.series.spec.type is MetricType.GAUGE else 0.0
-            mmap_file.write_value(key_text, sample.value, timestamp)
+            self._file(prefix).write(key_text, sample.value, timestamp)
+        for metric_file in self._files.values():
+            metric_file.sync()
+
+    def _reopen(self) -> None:
+        """Start new files after the old ones were deleted; their values are rewritten in full."""
+        for metric_file in self._files.values():
+            metric_file.close()
+        self._files.clear()
+        log.warning("robust-metrics: metric files in %s vanished; writing them again",
+                    self.directory)
+        os.makedirs(self.directory, exist_ok=True)
+        if self.on_reopen is not None:
+            self.on_reopen()
 
     def close(self, store: MetricStore) -> None:
-        self.flush(store)
-        for mmap_file in self._files.values():
-            mmap_file.close()
-        self._files.clear()
-        self._keys.clear()
+        try:
+            self.flush(store)
+        finally:
+            for metric_file in self._files.values():
+                metric_file.close()
+            self._files.clear()
+            self._keys.clear()
 
 
 class HttpSink:

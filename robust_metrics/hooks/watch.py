@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
-import json
 import logging
 import os
 import threading
@@ -23,7 +22,6 @@ from typing import Any, TypeVar
 from robust_metrics import schema
 from robust_metrics.hooks.collectives import CollectiveTracker
 from robust_metrics.hooks.config import WatchOptions
-from robust_metrics.hooks.control import ControlChannel
 from robust_metrics.hooks.numerics import (
     DeferredReader,
     LossAccumulator,
@@ -32,6 +30,8 @@ from robust_metrics.hooks.numerics import (
 )
 from robust_metrics.hooks.sinks import MultiprocessSink, NullSink, Sink, make_sink
 from robust_metrics.hooks.store import MetricStore
+from robust_metrics.rankfolder.control import ControlChannel
+from robust_metrics.rankfolder.identity import write_identity
 
 __all__ = ["Watch", "watch"]
 
@@ -134,22 +134,17 @@ class Watch:
         except Exception as exc:  # a full disk or a taken port must not stop training
             self._error("sink", exc)
             return NullSink()
-        if o.backend == "multiprocess":
+        if isinstance(sink, MultiprocessSink):
             self._write_identity()
+            sink.on_reopen = self._write_identity
         return sink
 
     @_guard("identity")
     def _write_identity(self) -> None:
         """`ranks/<pid>.json` lets the sidecar map processes to ranks for liveness and stacks."""
         o = self.options
-        folder = os.path.join(str(o.metrics_dir), "ranks")
-        os.makedirs(folder, exist_ok=True)
-        path = os.path.join(folder, f"{os.getpid()}.json")
-        with open(f"{path}.tmp", "w") as f:
-            json.dump({"run": o.run, "rank": o.rank, "local_rank": o.local_rank, "pid": os.getpid(),
-                       "node": o.node, "world_size": o.world_size, "topology": o.topology,
-                       "started": time.time()}, f)
-        os.replace(f"{path}.tmp", path)
+        write_identity(str(o.metrics_dir), run=o.run, rank=o.rank, local_rank=o.local_rank,
+                       node=o.node, world_size=o.world_size, topology=o.topology)
 
     def _cuda_device(self) -> Any:
         with contextlib.suppress(Exception):

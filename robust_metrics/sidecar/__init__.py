@@ -6,8 +6,8 @@ Run it as `robust-metrics sidecar --dir $ROBUST_METRICS_DIR` (see docs/sidecar.m
 - `collector.py`: the one-method `Collector` interface and the registry that makes
   `--collector.NAME` flags and times each collector.
 - `collectors/`: one collector per file: `ranks`, `process`, `nvml`, `nic`, `nccl_ras`.
-- `rankdir.py` / `mmapfile.py`: the ranks' multiprocess folder (dead processes, archive, corrupt
-  files), with no HTTP in them.
+- `rankdir.py`: the ranks' folder as the sidecar keeps it (dead processes, archive, corrupt
+  files), with no HTTP in it; the folder's formats belong to `robust_metrics.rankfolder`.
 - `auth.py`: bearer token, basic auth and TLS; `app.py`: the routes.
 
 Nothing here imports torch: the sidecar runs where training does not.

@@ -15,6 +15,7 @@ import contextlib
 import gzip
 import json
 import logging
+import math
 import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -27,7 +28,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from robust_metrics.hooks import control
+from robust_metrics.rankfolder import control
+from robust_metrics.rankfolder.identity import RankIdentity
+from robust_metrics.rankfolder.proof import prove_rank
 from robust_metrics.sidecar.auth import TokenFile, WebConfig
 from robust_metrics.sidecar.collector import ScrapeRegistry
 from robust_metrics.sidecar.config import SidecarConfig
@@ -62,8 +65,8 @@ def _number(value: Any, name: str, kind: type = int, minimum: float = 0) -> Any:
     except (TypeError, ValueError):
         raise BadRequest(f"{name}={value!r} is not a{'n integer' if kind is int else ' number'}"
                          ) from None
-    if isinstance(value, bool) or number < minimum:
-        raise BadRequest(f"{name}={value!r}: must be >= {minimum}")
+    if isinstance(value, bool) or not math.isfinite(number) or number < minimum:
+        raise BadRequest(f"{name}={value!r}: must be a finite number >= {minimum}")
     return number
 
 
@@ -126,7 +129,7 @@ def create_app(config: SidecarConfig, registry: ScrapeRegistry, folder: RankFold
             from robust_metrics.sidecar import stacks as stacks_module
         except ImportError as exc:
             return _error(501, f"stack dumps are not available in this build: {exc}")
-        snapshot = folder.snapshot()
+        snapshot = await run_in_threadpool(folder.snapshot)
         ranks = {pid: ident for pid, ident in snapshot.identities.items()
                  if snapshot.alive.get(pid)
                  and (rank_filter is None or ident.rank == rank_filter)
@@ -134,18 +137,11 @@ def create_app(config: SidecarConfig, registry: ScrapeRegistry, folder: RankFold
         if not stack_slot.acquire(blocking=False):
             return _error(429, "a stack dump is already running; retry in a few seconds")
         try:
-            dumps = await run_in_threadpool(
-                stacks_module.dump_stacks, sorted(ranks), native=native, locals_=locals_,
-                timeout=min(timeout or config.stacks_timeout, 60.0))
+            out = await run_in_threadpool(
+                _dump_proven, stacks_module.dump_stacks, config.directory, ranks,
+                native=native, locals_=locals_, timeout=min(timeout or config.stacks_timeout, 60.0))
         finally:
             stack_slot.release()
-        out = []
-        for dump in dumps:
-            ident = ranks.get(int(dump.get("pid", -1)))
-            entry = {"run": ident.run if ident else "", "rank": ident.rank if ident else "",
-                     "local_rank": ident.local_rank if ident else ""}
-            entry.update(dump)
-            out.append(entry)
         out.sort(key=lambda e: (e["run"], _rank_key(e["rank"])))
         return JSONResponse({"node": config.node, "ranks": out})
 
@@ -171,7 +167,7 @@ def create_app(config: SidecarConfig, registry: ScrapeRegistry, folder: RankFold
                               "at_step")
         except BadRequest as exc:
             return _error(400, str(exc))
-        snapshot = folder.snapshot()
+        snapshot = await run_in_threadpool(folder.snapshot)
         ranks = sorted(((i.run, i.rank, pid) for pid, i in snapshot.identities.items()
                         if snapshot.alive.get(pid)), key=lambda r: (r[0], _rank_key(r[1])))
         try:
@@ -198,6 +194,26 @@ def create_app(config: SidecarConfig, registry: ScrapeRegistry, folder: RankFold
         Route("/control/checkpoint", checkpoint, methods=["POST"]),
     ]
     return Starlette(routes=routes, lifespan=lifespan)
+
+
+def _dump_proven(dump_stacks: Callable[..., list[dict[str, Any]]], directory: str,
+                 ranks: dict[int, RankIdentity], *, native: bool, locals_: bool,
+                 timeout: float) -> list[dict[str, Any]]:
+    """Stack dumps of the ranks proven to be ranks of this folder; an error entry for the others.
+
+    Each entry carries the rank's identity and topology (as in `ranks/<pid>.json`, except `node`,
+    which is the sidecar's own name for its node and is set by the caller).
+    """
+    refused = {pid: prove_rank(directory, ident) for pid, ident in ranks.items()}
+    proven = sorted(pid for pid, reason in refused.items() if reason is None)
+    dumps = {int(d["pid"]): d for d in dump_stacks(proven, native=native, locals_=locals_,
+                                                   timeout=timeout)} if proven else {}
+    out = []
+    for pid, ident in ranks.items():
+        entry: dict[str, Any] = {k: v for k, v in ident.labels().items() if k != "node"}
+        entry.update(dumps.get(pid) or {"pid": pid, "threads": [], "error": refused[pid]})
+        out.append(entry)
+    return out
 
 
 def _rank_key(rank: str) -> tuple[int, str]:

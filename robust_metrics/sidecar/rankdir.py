@@ -18,6 +18,11 @@ with the old pid, an old `robust_loss`) forever, and deleting the files would ma
 - a file that cannot be parsed is skipped and counted; a dead pid's corrupt file is moved to
   `archive/corrupt/`.
 
+The folder is written by jobs, so nothing in it is trusted (see `robust_metrics.rankfolder`):
+links are never followed, FIFOs and other non-regular files are skipped, each file is read up to
+`max_file_bytes` and one scrape reads at most `max_scrape_bytes` in all; files past that budget are
+skipped and reported, not read. The archive lives in a sub-folder the sidecar must own.
+
 The quiet period guards against a misconfigured pid namespace (the sidecar cannot see the ranks'
 pids): a rank that is still writing keeps its files fresh, so they are never merged away under it.
 Only one sidecar owns the archive (an flock); a second one on the same folder serves read-only.
@@ -41,7 +46,9 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.utils import floatToGoString
 
 from robust_metrics import schema
-from robust_metrics.sidecar.mmapfile import (
+from robust_metrics.rankfolder.identity import RANKS_DIR, RankIdentity, pid_of, read_identity
+from robust_metrics.rankfolder.metricfile import (
+    MAX_FILE_BYTES,
     CorruptFile,
     DbFile,
     Entry,
@@ -49,6 +56,7 @@ from robust_metrics.sidecar.mmapfile import (
     parse_name,
     read_entries,
 )
+from robust_metrics.rankfolder.safeio import open_dir, read_regular, write_atomic
 
 __all__ = ["RankFolder", "RankIdentity", "Snapshot", "process_alive"]
 
@@ -56,20 +64,10 @@ log = logging.getLogger(__name__)
 
 Labels = tuple[tuple[str, str], ...]
 _ACCUMULATED = ("counter", "summary", "histogram")
+MAX_SCRAPE_BYTES = 64 << 20
+"""Bytes of metric files one scrape reads at most; a node of 8 ranks normally reads under 1 MiB."""
+MAX_ARCHIVE_BYTES = 256 << 20
 _LAST_STEP = schema.LAST_STEP_TIMESTAMP.name
-
-
-@dataclass(frozen=True)
-class RankIdentity:
-    """Contents of `ranks/<pid>.json`, written by the hook when a rank starts."""
-
-    pid: int
-    run: str
-    rank: str
-    local_rank: str = ""
-    node: str = ""
-    world_size: str = ""
-    started: float | None = None
 
 
 @dataclass
@@ -122,8 +120,17 @@ def process_alive(pid: int, started: float | None = None) -> bool:
         return True
 
 
+class _OverBudget(Exception):
+    """A file left unread because this scrape has read its byte budget."""
+
+
 class _Archive:
-    """Values of merged dead files, persisted as JSON next to the rank files."""
+    """Values of merged dead files, persisted as JSON in `archive/`, a folder this sidecar owns.
+
+    Every access goes through a descriptor of that folder opened without following links, and
+    the folder must belong to the sidecar's user: a job that planted `archive/` (or a link at
+    `archive/archive.json.tmp`) beforehand gets a read-only sidecar, not a write outside the folder.
+    """
 
     def __init__(self, directory: str) -> None:
         self.folder = os.path.join(directory, "archive")
@@ -132,12 +139,31 @@ class _Archive:
         self.merged: dict[str, float] = {}  # file identity -> when merged
         self.run_seen: dict[str, float] = {}  # run -> last time it had a live or merged process
         self.owner = False
+        self._fd: int | None = None
         self._lock_file: int | None = None
         self._loaded_mtime = -1
 
+    def _folder_fd(self) -> int | None:
+        if self._fd is None:
+            try:
+                fd = open_dir(self.folder, create=True, mode=0o755)
+            except OSError as exc:
+                log.error("cannot use %s (%s); serving the folder read-only", self.folder, exc)
+                return None
+            if os.fstat(fd).st_uid != os.geteuid():
+                os.close(fd)
+                log.error("%s belongs to another user; serving the folder read-only",
+                          self.folder)
+                return None
+            self._fd = fd
+        return self._fd
+
     def acquire(self) -> bool:
-        os.makedirs(self.folder, exist_ok=True)
-        fd = os.open(os.path.join(self.folder, ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+        afd = self._folder_fd()
+        if afd is None:
+            return False
+        fd = os.open(".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644,
+                     dir_fd=afd)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -153,10 +179,16 @@ class _Archive:
             os.close(self._lock_file)
             self._lock_file = None
             self.owner = False
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
     def load_if_changed(self, force: bool = False) -> None:
+        afd = self._folder_fd()
         try:
-            mtime = os.stat(self.path).st_mtime_ns
+            if afd is None:
+                raise FileNotFoundError(self.path)
+            mtime = os.stat("archive.json", dir_fd=afd, follow_symlinks=False).st_mtime_ns
         except FileNotFoundError:
             if force:
                 self.values, self.merged, self.run_seen = {}, {}, {}
@@ -164,25 +196,37 @@ class _Archive:
         if mtime == self._loaded_mtime and not force:
             return
         try:
-            with open(self.path) as f:
-                data = json.load(f)
+            data = json.loads(read_regular("archive.json", MAX_ARCHIVE_BYTES, afd))
             self.values = {(t, k): float(v) for t, k, v in data.get("values", [])}
             self.merged = {str(k): float(v) for k, v in data.get("merged", {}).items()}
             self.run_seen = {str(k): float(v) for k, v in data.get("runs", {}).items()}
             self._loaded_mtime = mtime
-        except (OSError, ValueError, TypeError) as exc:
+        except (OSError, ValueError, TypeError, AttributeError) as exc:
             log.error("cannot read the archive %s (%s); starting a new one", self.path, exc)
             self._loaded_mtime = mtime
 
     def save(self) -> None:
-        tmp = f"{self.path}.tmp"
-        with open(tmp, "w") as f:
-            json.dump({"version": 1, "values": [[t, k, v] for (t, k), v in self.values.items()],
-                       "merged": self.merged, "runs": self.run_seen}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
-        self._loaded_mtime = os.stat(self.path).st_mtime_ns
+        afd = self._folder_fd()
+        if afd is None:
+            raise OSError(f"{self.folder} is not usable")
+        body = json.dumps({"version": 1,
+                           "values": [[t, k, v] for (t, k), v in self.values.items()],
+                           "merged": self.merged, "runs": self.run_seen}).encode()
+        write_atomic("archive.json", body, afd)
+        self._loaded_mtime = os.stat("archive.json", dir_fd=afd,
+                                     follow_symlinks=False).st_mtime_ns
+
+    def quarantine(self, path: str) -> None:
+        """Move a corrupt file into `archive/corrupt/` (rename moves the name, never a target)."""
+        afd = self._folder_fd()
+        if afd is None:
+            return
+        with contextlib.suppress(OSError):
+            cfd = open_dir("corrupt", afd, create=True)
+            try:
+                os.replace(path, f"{int(time.time())}_{os.path.basename(path)}", dst_dir_fd=cfd)
+            finally:
+                os.close(cfd)
 
 
 class _Accumulator:
@@ -259,8 +303,13 @@ class RankFolder:
 
     def __init__(self, directory: str, *, merge_after: float = 60.0, retention: float = 600.0,
                  cache_seconds: float = 0.25,
-                 alive: Callable[[int, float | None], bool] = process_alive) -> None:
+                 alive: Callable[[int, float | None], bool] = process_alive,
+                 max_file_bytes: int = MAX_FILE_BYTES,
+                 max_scrape_bytes: int = MAX_SCRAPE_BYTES) -> None:
         self.directory = directory
+        self.max_file_bytes = max_file_bytes
+        self.max_scrape_bytes = max_scrape_bytes
+        self._budget = max_scrape_bytes
         self.merge_after = merge_after
         self.retention = retention
         self.cache_seconds = cache_seconds
@@ -301,12 +350,13 @@ class RankFolder:
         archive = self._archive
         if not archive.owner:
             archive.load_if_changed()
+        self._budget = self.max_scrape_bytes
         identities = self._identities()
         files: dict[int, list[DbFile]] = defaultdict(list)
         with os.scandir(self.directory) as it:
             for entry in it:
                 db = parse_name(self.directory, entry.name)
-                if db is not None:
+                if db is not None and entry.is_file(follow_symlinks=False):
                     files[db.pid].append(db)
         pids = set(files) | set(identities)
         alive = {}
@@ -369,45 +419,43 @@ class RankFolder:
                         errors)
 
     def _identities(self) -> dict[int, RankIdentity]:
-        folder = os.path.join(self.directory, "ranks")
         found: dict[int, RankIdentity] = {}
         seen = set()
         try:
-            entries = list(os.scandir(folder))
+            fd = open_dir(os.path.join(self.directory, RANKS_DIR))
         except FileNotFoundError:
             return found
-        for entry in entries:
-            name = entry.name
-            if not name.endswith(".json") or not name[:-5].isdigit():
-                continue
-            seen.add(name)
-            try:
-                mtime = entry.stat().st_mtime_ns
-            except FileNotFoundError:
-                continue
-            cached = self._identity_cache.get(name)
-            if cached is None or cached[0] != mtime:
-                cached = (mtime, self._load_identity(entry.path, int(name[:-5])))
-                self._identity_cache[name] = cached
-            if cached[1] is not None:
-                found[cached[1].pid] = cached[1]
+        except OSError as exc:
+            log.warning("cannot read %s/%s: %s", self.directory, RANKS_DIR, exc)
+            return found
+        try:
+            for entry in os.scandir(fd):
+                name = entry.name
+                if pid_of(name) is None or not entry.is_file(follow_symlinks=False):
+                    continue
+                seen.add(name)
+                try:
+                    mtime = entry.stat(follow_symlinks=False).st_mtime_ns
+                except FileNotFoundError:
+                    continue
+                cached = self._identity_cache.get(name)
+                if cached is None or cached[0] != mtime:
+                    cached = (mtime, self._load_identity(name, fd))
+                    self._identity_cache[name] = cached
+                if cached[1] is not None:
+                    found[cached[1].pid] = cached[1]
+        finally:
+            os.close(fd)
         for name in set(self._identity_cache) - seen:
             del self._identity_cache[name]
         return found
 
-    @staticmethod
-    def _load_identity(path: str, pid: int) -> RankIdentity | None:
+    def _load_identity(self, name: str, ranks_fd: int) -> RankIdentity | None:
         try:
-            with open(path) as f:
-                data = json.load(f)
-            started = data.get("started")
-            return RankIdentity(
-                pid=pid, run=str(data["run"]), rank=str(data["rank"]),
-                local_rank=str(data.get("local_rank", "")), node=str(data.get("node", "")),
-                world_size=str(data.get("world_size", "")),
-                started=float(started) if started is not None else None)
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            log.warning("skipping unreadable rank identity %s: %s", path, exc)
+            return read_identity(name, ranks_fd)
+        except (OSError, ValueError) as exc:
+            log.warning("skipping unreadable rank identity %s/%s/%s: %s", self.directory,
+                        RANKS_DIR, name, exc)
             return None
 
     def _parse_key(self, key: str) -> tuple[str, str, Labels, str]:
@@ -423,16 +471,28 @@ class RankFolder:
                    ) -> list[tuple[tuple[str, str, Labels, str], Entry]]:
         """The file's parsed entries, or none at all when any part of it is corrupt."""
         try:
-            return [(self._parse_key(e.key), e) for e in read_entries(db.path)]
+            return [(self._parse_key(e.key), e) for e in self._entries(db)]
         except FileNotFoundError:
             return []  # merged or removed between listing and reading
+        except _OverBudget as exc:
+            errors.append(str(exc))
+            return []
         except (CorruptFile, OSError) as exc:
             self._count_corrupt(db, str(exc), errors)
             return []
 
+    def _entries(self, db: DbFile) -> list[Entry]:
+        """`read_entries` within what is left of this scrape's byte budget."""
+        if self._budget <= 0:
+            raise _OverBudget(f"{os.path.basename(db.path)}: not read, this scrape already read "
+                              f"{self.max_scrape_bytes} bytes")
+        entries = read_entries(db.path, self.max_file_bytes)
+        self._budget -= sum(len(e.key) + 24 for e in entries) + 8
+        return entries
+
     def _count_corrupt(self, db: DbFile, reason: str, errors: list[str]) -> None:
         try:
-            ident = (db.path, os.stat(db.path).st_ino)
+            ident = (db.path, os.stat(db.path, follow_symlinks=False).st_ino)
         except OSError:
             ident = (db.path, 0)
         if ident not in self._corrupt_seen:
@@ -445,13 +505,13 @@ class RankFolder:
         newest = 0.0
         for db in dbs:
             with contextlib.suppress(OSError):
-                newest = max(newest, os.stat(db.path).st_mtime)
+                newest = max(newest, os.stat(db.path, follow_symlinks=False).st_mtime)
         return now - newest >= self.merge_after
 
     @staticmethod
     def _file_identity(db: DbFile) -> str | None:
         try:
-            st = os.stat(db.path)
+            st = os.stat(db.path, follow_symlinks=False)
         except OSError:
             return None
         return f"{os.path.basename(db.path)}:{st.st_ino}:{st.st_size}"
@@ -469,8 +529,11 @@ class RankFolder:
                 to_delete.append(db.path)
                 continue
             try:
-                parsed = [(self._parse_key(e.key), e) for e in read_entries(db.path)]
+                parsed = [(self._parse_key(e.key), e) for e in self._entries(db)]
             except FileNotFoundError:
+                continue
+            except _OverBudget as exc:
+                errors.append(str(exc))
                 continue
             except (CorruptFile, OSError) as exc:
                 self._count_corrupt(db, str(exc), errors)
@@ -487,10 +550,7 @@ class RankFolder:
         return to_delete
 
     def _quarantine(self, db: DbFile) -> None:
-        target = os.path.join(self._archive.folder, "corrupt")
-        os.makedirs(target, exist_ok=True)
-        with contextlib.suppress(OSError):
-            os.replace(db.path, os.path.join(target, f"{int(time.time())}_{os.path.basename(db.path)}"))
+        self._archive.quarantine(db.path)
 
     def _expire(self, live_runs: set[str], now: float) -> bool:
         archive = self._archive
@@ -516,6 +576,15 @@ class RankFolder:
             del archive.merged[k]
         return changed or bool(old)
 
+    def _unlink_identity(self, pid: int) -> None:
+        with contextlib.suppress(OSError):
+            fd = open_dir(os.path.join(self.directory, RANKS_DIR))
+            try:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(f"{pid}.json", dir_fd=fd)
+            finally:
+                os.close(fd)
+
     def _reap_identities(self, identities: dict[int, RankIdentity], alive: dict[int, bool],
                          now: float) -> None:
         """Remove `ranks/<pid>.json` of dead processes once superseded or past retention."""
@@ -528,6 +597,5 @@ class RankFolder:
                 continue
             superseded = (ident.started or 0.0) < newest[(ident.run, ident.rank)]
             if superseded or now - self._dead_since.get(pid, now) >= self.retention:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(os.path.join(self.directory, "ranks", f"{pid}.json"))
+                self._unlink_identity(pid)
                 self._dead_since.pop(pid, None)

@@ -27,7 +27,7 @@ import pytest
 
 from robust_metrics import dashboards, rules
 from robust_metrics.dashboards import Needs
-from robust_metrics.hooks.control import write_checkpoint_request
+from robust_metrics.rankfolder.control import write_checkpoint_request
 from tests.bridge_fakes import BridgeProcess, alert, webhook, write_config
 from tests.prometheus_fixture import PrometheusServer, wait_for_series
 from tests.support import ROOT, RankJob, SidecarProcess, free_port, require_binary

@@ -1,9 +1,13 @@
-"""Checkpoint requests reaching a rank from outside: a signal, or a request file.
+"""`control/checkpoint.json`: checkpoint requests reaching a rank from outside, both ends.
 
 The sidecar's `/control/checkpoint` writes `control/checkpoint.json` into the metrics folder
 (atomically, by rename); Slurm's convention is SIGUSR1 (`scancel --signal=USR1`). The hook looks at
 step boundaries only, so the checkpoint callback runs where the model is consistent, and it adds no
 collective: to make every rank checkpoint at the same step, a request may name `at_step`.
+
+The sidecar writes the file (`write_checkpoint_request`) and the hook reads it
+(`ControlChannel`); a request can also come as a signal. Neither end follows a link planted in the
+folder, and the reader never blocks on a FIFO or reads more than a few KiB.
 
 Request ids are milliseconds since the epoch, so ids from signals and files order by time and the
 acknowledgement metric (`robust_checkpoint_request_id`) tells a waiter which request was handled.
@@ -21,6 +25,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from robust_metrics.rankfolder.safeio import open_dir, read_regular, write_atomic
+
 __all__ = ["CheckpointRequest", "ControlChannel", "request_path", "write_checkpoint_request"]
 
 log = logging.getLogger(__name__)
@@ -32,8 +38,13 @@ class CheckpointRequest:
     at_step: int | None = None
 
 
+CONTROL_DIR = "control"
+REQUEST_FILE = "checkpoint.json"
+MAX_REQUEST_BYTES = 4096
+
+
 def request_path(metrics_dir: str) -> str:
-    return os.path.join(metrics_dir, "control", "checkpoint.json")
+    return os.path.join(metrics_dir, CONTROL_DIR, REQUEST_FILE)
 
 
 def new_request_id() -> int:
@@ -44,23 +55,30 @@ def write_checkpoint_request(metrics_dir: str, request_id: int | None = None,
                              at_step: int | None = None) -> CheckpointRequest:
     """Publish a request for the ranks writing into `metrics_dir` (used by the sidecar)."""
     request = CheckpointRequest(new_request_id() if request_id is None else request_id, at_step)
-    path = request_path(metrics_dir)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump({"id": request.id, "at_step": request.at_step}, f)
-    os.replace(tmp, path)
+    os.makedirs(metrics_dir, exist_ok=True)
+    fd = open_dir(os.path.join(metrics_dir, CONTROL_DIR), create=True)
+    try:
+        body = json.dumps({"id": request.id, "at_step": request.at_step}).encode()
+        write_atomic(REQUEST_FILE, body, fd)
+    finally:
+        os.close(fd)
     return request
 
 
 def read_checkpoint_request(metrics_dir: str) -> CheckpointRequest | None:
+    """The current request, None when there is none; OSError or ValueError when unusable."""
     try:
-        with open(request_path(metrics_dir)) as f:
-            data = json.load(f)
-        at_step = data.get("at_step")
-        return CheckpointRequest(int(data["id"]), None if at_step is None else int(at_step))
+        fd = open_dir(os.path.join(metrics_dir, CONTROL_DIR))
     except FileNotFoundError:
         return None
+    try:
+        data = json.loads(read_regular(REQUEST_FILE, MAX_REQUEST_BYTES, fd))
+    except FileNotFoundError:
+        return None
+    finally:
+        os.close(fd)
+    at_step = data.get("at_step")
+    return CheckpointRequest(int(data["id"]), None if at_step is None else int(at_step))
 
 
 class ControlChannel:
@@ -104,12 +122,12 @@ class ControlChannel:
         if self.metrics_dir and now - self._last_poll >= self.poll_interval:
             self._last_poll = now
             try:
-                mtime = os.stat(request_path(self.metrics_dir)).st_mtime_ns
+                mtime = os.stat(request_path(self.metrics_dir), follow_symlinks=False).st_mtime_ns
             except FileNotFoundError:
                 mtime = 0
             if mtime and mtime != self._last_mtime:
                 self._last_mtime = mtime
-                self._file_request = read_checkpoint_request(self.metrics_dir)
+                self._file_request = read_checkpoint_request_safely(self.metrics_dir)
         candidates = [r for r in (self._file_request,) if r is not None and r.id > self.handled_id]
         if self._signal_id > self.handled_id:
             candidates.append(CheckpointRequest(self._signal_id))
@@ -119,6 +137,6 @@ class ControlChannel:
 def read_checkpoint_request_safely(metrics_dir: str) -> CheckpointRequest | None:
     try:
         return read_checkpoint_request(metrics_dir)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         log.warning("ignoring unreadable checkpoint request in %s: %s", metrics_dir, exc)
         return None

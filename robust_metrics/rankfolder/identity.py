@@ -1,0 +1,173 @@
+"""`ranks/<pid>.json`: who a rank process is, written by the hook, read by the sidecar and `stacks`.
+
+One record per process: its run and rank, where it runs (node, local rank) and its place in the
+parallel layout (world size, data/pipeline/tensor parallel coordinates). The sidecar serves it as
+`robust_rank_info`, names stack dumps with it and maps pids to ranks for liveness; `robust-metrics
+stacks --metrics-dir` reads it directly. All readers go through `read_identity`, so the sidecar,
+`stacks` and the bridge report the same fields.
+
+Values are strings, empty when unknown, as they are on the `robust_rank_info` labels.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from robust_metrics.rankfolder.safeio import open_dir, read_regular, write_atomic
+
+__all__ = [
+    "MAX_IDENTITY_BYTES",
+    "RANKS_DIR",
+    "TOPOLOGY_KEYS",
+    "RankIdentity",
+    "parse_identity",
+    "pid_of",
+    "rank_info",
+    "read_identities",
+    "read_identity",
+    "write_identity",
+]
+
+RANKS_DIR = "ranks"
+TOPOLOGY_KEYS = ("dp_rank", "pp_rank", "tp_rank")
+MAX_IDENTITY_BYTES = 64 << 10
+"""An identity is a few hundred bytes; a larger file is refused unread."""
+
+
+@dataclass(frozen=True)
+class RankIdentity:
+    """Contents of `ranks/<pid>.json`; `uid` is the owner of the file (not part of its text)."""
+
+    pid: int
+    run: str
+    rank: str
+    local_rank: str = ""
+    node: str = ""
+    world_size: str = ""
+    started: float | None = None
+    dp_rank: str = ""
+    pp_rank: str = ""
+    tp_rank: str = ""
+    uid: int | None = None
+
+    def labels(self) -> dict[str, str]:
+        """Identity and topology as label strings: what a stack dump entry and rank_info carry."""
+        return {"run": self.run, "rank": self.rank, "pid": str(self.pid),
+                "local_rank": self.local_rank, "node": self.node, "world_size": self.world_size,
+                "dp_rank": self.dp_rank, "pp_rank": self.pp_rank, "tp_rank": self.tp_rank}
+
+
+def identity_name(pid: int) -> str:
+    return f"{pid}.json"
+
+
+def write_identity(directory: str, *, run: str, rank: int | str, local_rank: int | str,
+                   node: str, world_size: int | str, topology: Mapping[str, int] | None = None,
+                   pid: int | None = None, started: float | None = None) -> str:
+    """Write this process's identity into `directory/ranks/` atomically; returns the path."""
+    pid = os.getpid() if pid is None else pid
+    topology = dict(topology or {})
+    record = {"run": run, "rank": rank, "local_rank": local_rank, "pid": pid, "node": node,
+              "world_size": world_size, "topology": topology,
+              "started": time.time() if started is None else started}
+    os.makedirs(directory, exist_ok=True)
+    fd = open_dir(os.path.join(directory, RANKS_DIR), create=True)
+    try:
+        write_atomic(identity_name(pid), json.dumps(record).encode(), fd)
+    finally:
+        os.close(fd)
+    return os.path.join(directory, RANKS_DIR, identity_name(pid))
+
+
+def _text(value: Any) -> str:
+    if value is None or isinstance(value, (dict, list)):
+        return ""
+    return str(value)
+
+
+def parse_identity(data: bytes, pid: int, uid: int | None = None) -> RankIdentity:
+    """The identity in `data` (the file's bytes) of the process `pid`; ValueError when malformed.
+
+    The pid comes from the file name, never from its text, so a file cannot claim another pid.
+    """
+    try:
+        record = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ValueError(f"not JSON: {exc}") from None
+    if not isinstance(record, dict) or "run" not in record or "rank" not in record:
+        raise ValueError("not an identity: needs an object with run and rank")
+    if isinstance(record["run"], (dict, list)) or isinstance(record["rank"], (dict, list)):
+        raise ValueError("run and rank must be strings or numbers")
+    started = record.get("started")
+    if started is not None:
+        if isinstance(started, bool) or not isinstance(started, (int, float)):
+            raise ValueError(f"started={started!r} is not a time stamp")
+        started = float(started)
+    topology = record.get("topology")
+    topology = topology if isinstance(topology, dict) else {}
+    return RankIdentity(
+        pid=pid, run=str(record["run"]), rank=str(record["rank"]),
+        local_rank=_text(record.get("local_rank")), node=_text(record.get("node")),
+        world_size=_text(record.get("world_size")), started=started,
+        dp_rank=_text(topology.get("dp_rank")), pp_rank=_text(topology.get("pp_rank")),
+        tp_rank=_text(topology.get("tp_rank")), uid=uid)
+
+
+def pid_of(name: str) -> int | None:
+    """The pid named by an identity file name, or None for any other name."""
+    stem = name[:-5] if name.endswith(".json") else ""
+    return int(stem) if stem.isdigit() and 0 < len(stem) <= 10 else None
+
+
+def read_identity(name: str, ranks_fd: int) -> RankIdentity:
+    """The identity file `name` in the open `ranks/` folder; OSError or ValueError when unusable."""
+    pid = pid_of(name)
+    if pid is None:
+        raise ValueError(f"{name}: not an identity file name")
+    uid = os.stat(name, dir_fd=ranks_fd, follow_symlinks=False).st_uid
+    return parse_identity(read_regular(name, MAX_IDENTITY_BYTES, ranks_fd), pid, uid)
+
+
+def read_identities(directory: str, run: str | None = None) -> dict[int, RankIdentity]:
+    """Every readable identity in `directory/ranks/` (of `run` if given), keyed by pid.
+
+    Raises FileNotFoundError when there is no `ranks/` folder, OSError when it is a link.
+    Unreadable, linked or foreign files are skipped: a half-written file is normal at start-up.
+    """
+    fd = open_dir(os.path.join(directory, RANKS_DIR))
+    out: dict[int, RankIdentity] = {}
+    try:
+        for name in sorted(os.listdir(fd)):
+            if pid_of(name) is None:
+                continue
+            try:
+                ident = read_identity(name, fd)
+            except (OSError, ValueError):
+                continue
+            if run is None or ident.run == run:
+                out[ident.pid] = ident
+    finally:
+        os.close(fd)
+    return out
+
+
+def rank_info(entries: Iterable[Mapping[str, Any] | RankIdentity]) -> list[dict[str, Any]]:
+    """Topology records for `analysis.stacks.analyse` from identities or from stack dump entries.
+
+    The sidecar's `/debug/stacks` entries carry every identity field, so `stacks` through
+    sidecars, through `--metrics-dir` and through the bridge all build the same topology here.
+    """
+    out = []
+    for entry in entries:
+        fields = entry.labels() if isinstance(entry, RankIdentity) else entry
+        if fields.get("rank") in (None, ""):
+            continue
+        record = {key: fields.get(key) for key in ("run", "rank", "pid", "node", "local_rank",
+                                                   "world_size", *TOPOLOGY_KEYS)}
+        out.append({k: v for k, v in record.items() if v not in (None, "")})
+    return out

@@ -1,0 +1,358 @@
+"""The rank folder under attack or failure: a full or vanishing folder must not stop training,
+and nothing a job plants in the folder (links, FIFOs, huge files, identities of other processes)
+may make the sidecar read, write, block or dump what it should not.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from starlette.testclient import TestClient
+
+from robust_metrics import schema
+from robust_metrics.hooks.sinks import MultiprocessSink
+from robust_metrics.hooks.store import MetricStore
+from robust_metrics.rankfolder import control, metricfile, write_identity
+from robust_metrics.rankfolder.control import read_checkpoint_request_safely
+from robust_metrics.sidecar.config import SidecarConfig
+from robust_metrics.sidecar.main import build
+from robust_metrics.sidecar.rankdir import RankFolder
+from robust_metrics.sidecar.stacks import find_py_spy
+from tests.support import ROOT
+
+TOKEN = "hostile-token"
+
+
+def _store(run: str = "r", rank: str = "0") -> MetricStore:
+    store = MetricStore({"run": run, "rank": rank})
+    store.series(schema.STEPS_TOTAL).inc(3)
+    store.series(schema.LOSS).set(1.0)
+    return store
+
+
+def _finishes(fn: Callable[[], object], seconds: float) -> bool:
+    """Whether `fn()` returns within `seconds` (run in a daemon thread that may stay blocked)."""
+    done = threading.Event()
+
+    def target() -> None:
+        try:
+            fn()
+        finally:
+            done.set()
+
+    threading.Thread(target=target, daemon=True).start()
+    return done.wait(seconds)
+
+
+def _release_fifo(path: Path) -> None:
+    """Open a FIFO for writing once, so a reader blocked on it (before the fix) gets unstuck."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+        os.close(fd)
+    except OSError:
+        pass
+
+
+# -- the hook: a full or vanishing folder -------------------------------------------------------
+@pytest.fixture
+def full_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A 64 KiB tmpfs filled to the last byte (needs root to mount; skipped otherwise)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root; the fake-ENOSPC test covers the logic")
+    mount = tmp_path / "full"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)],
+                          capture_output=True, check=False)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        (mount / "ranks").mkdir()
+        fd = os.open(mount / "filler", os.O_WRONLY | os.O_CREAT)
+        try:
+            while os.write(fd, b"\0" * 4096):
+                pass
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC
+        finally:
+            os.close(fd)
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+TRAIN_ON = textwrap.dedent("""
+    import sys, torch, robust_metrics
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    handle = robust_metrics.watch(model, opt, backend="multiprocess", metrics_dir=sys.argv[1],
+                                  run="full", rank=0, world_size=1, flush_interval=0)
+    for _ in range(5):
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+    errors = sum(s.value for s in handle.store.samples()
+                 if s.name == "robust_hook_errors_total")
+    steps = [s.value for s in handle.store.samples() if s.name == "robust_steps_total"]
+    handle.close()
+    print("steps", steps[0], "errors", errors)
+""")
+
+
+def test_a_full_tmpfs_never_kills_training_and_the_errors_are_counted(full_tmpfs: Path) -> None:
+    done = subprocess.run([sys.executable, "-c", TRAIN_ON, str(full_tmpfs)], capture_output=True,
+                          timeout=120, cwd=ROOT, check=False)
+    out = done.stdout.decode()
+    assert done.returncode == 0, (done.returncode, done.stderr.decode()[-2000:])
+    steps, errors = float(out.split()[1]), float(out.split()[3])
+    assert steps == 5 and errors >= 5, out
+
+
+def test_no_space_at_the_writer_is_an_error_the_hook_counts(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_space(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(metricfile.os, "posix_fallocate", no_space)
+    sink = MultiprocessSink(str(tmp_path), pid=123)
+    with pytest.raises(OSError) as info:
+        sink.flush(_store())
+    assert info.value.errno == errno.ENOSPC
+    assert os.listdir(tmp_path) == []  # no empty file left for the sidecar to flag as corrupt
+
+
+def test_a_removed_folder_is_written_again_with_the_identity(tmp_path: Path) -> None:
+    folder = tmp_path / "m"
+    sink = MultiprocessSink(str(folder), pid=os.getpid())
+    calls = []
+    sink.on_reopen = lambda: calls.append(write_identity(
+        str(folder), run="r", rank=0, local_rank=0, node="n", world_size=1))
+    store = _store()
+    sink.flush(store)
+    subprocess.run(["rm", "-rf", str(folder)], check=True)
+    store.series(schema.STEPS_TOTAL).inc(2)
+    sink.flush(store)
+    entries = metricfile.read_entries(str(folder / f"counter_{os.getpid()}.db"))
+    assert [e.value for e in entries] == [5.0]
+    assert calls and (folder / "ranks" / f"{os.getpid()}.json").exists()
+    sink.close(store)
+
+
+def test_a_link_planted_at_the_ranks_file_name_is_not_written_through(tmp_path: Path) -> None:
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "counter_77.db").symlink_to(victim)
+    sink = MultiprocessSink(str(folder), pid=77)
+    with pytest.raises(OSError):
+        sink.flush(_store())
+    assert victim.read_text() == "precious"
+
+
+def test_the_hook_never_blocks_on_a_fifo_control_file(tmp_path: Path) -> None:
+    (tmp_path / "control").mkdir()
+    fifo = tmp_path / "control" / "checkpoint.json"
+    os.mkfifo(fifo)
+    try:
+        assert _finishes(lambda: read_checkpoint_request_safely(str(tmp_path)), 3.0)
+    finally:
+        _release_fifo(fifo)
+
+
+# -- the sidecar: links, FIFOs, large files -----------------------------------------------------
+def _rank_file(path: Path, value: float = 5.0, run: str = "r") -> None:
+    f = metricfile.MetricFile(str(path))
+    f.write(metricfile.metric_key(schema.STEPS_TOTAL.base_name, schema.STEPS_TOTAL.name,
+                                  ["run", "rank"], [run, "0"], schema.STEPS_TOTAL.help),
+            value, 0.0)
+    f.sync()
+    f.close()
+
+
+def _series(folder: RankFolder) -> list[tuple[str, dict[str, str], float]]:
+    return [(s.name, s.labels, s.value) for fam in folder.snapshot().families
+            for s in fam.samples]
+
+
+def test_links_out_of_the_folder_are_never_read(tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    _rank_file(outside / "counter_4001.db", run="stolen")
+    (outside / "4001.json").write_text('{"run": "stolen", "rank": 0}')
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "counter_4001.db").symlink_to(outside / "counter_4001.db")
+    (folder / "ranks").symlink_to(outside)
+    rank_folder = RankFolder(str(folder), alive=lambda pid, started: True)
+    try:
+        snap = rank_folder.snapshot()
+        assert snap.identities == {}
+        assert not any(labels.get("run") == "stolen" for _, labels, _ in _series(rank_folder))
+    finally:
+        rank_folder.close()
+
+
+def test_links_in_the_archive_never_make_the_sidecar_write_outside(tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    target = outside / "file"
+    target.write_text("precious")
+    folder = tmp_path / "m"
+    (folder / "archive").mkdir(parents=True)
+    (folder / "archive" / "archive.json.tmp").symlink_to(target)
+    (folder / "archive" / "archive.json").symlink_to(target)
+    _rank_file(folder / "counter_4002.db")
+    rank_folder = RankFolder(str(folder), merge_after=0, alive=lambda pid, started: False)
+    try:
+        assert [v for n, _, v in _series(rank_folder) if n == schema.STEPS_TOTAL.name] == [5.0]
+    finally:
+        rank_folder.close()
+    assert target.read_text() == "precious"
+    # a link in place of the whole archive folder: the sidecar serves read-only
+    other = tmp_path / "m2"
+    other.mkdir()
+    (other / "archive").symlink_to(outside)
+    _rank_file(other / "counter_4003.db")
+    rank_folder = RankFolder(str(other), merge_after=0, alive=lambda pid, started: False)
+    try:
+        assert not rank_folder.owner
+        rank_folder.snapshot()
+    finally:
+        rank_folder.close()
+    assert sorted(os.listdir(outside)) == ["file"] and target.read_text() == "precious"
+    assert (other / "counter_4003.db").exists()
+
+
+def test_fifos_never_block_a_scrape_or_the_event_loop(tmp_path: Path) -> None:
+    config = SidecarConfig(directory=str(tmp_path / "m"), node="n1", collectors=["ranks"],
+                           sysfs=str(tmp_path))
+    config.validate()
+    os.makedirs(tmp_path / "m" / "ranks")
+    fifos = [tmp_path / "m" / "counter_4004.db", tmp_path / "m" / "ranks" / "4004.json"]
+    for fifo in fifos:
+        os.mkfifo(fifo)
+    app, folder, _ = build(config)
+    try:
+        with TestClient(app) as client:
+            got: dict[str, int] = {}
+            assert _finishes(lambda: got.setdefault(
+                "metrics", client.get("/metrics").status_code), 4.0)
+            assert got["metrics"] == 200
+            assert client.get("/healthz").status_code == 200
+    finally:
+        for fifo in fifos:
+            _release_fifo(fifo)
+        folder.close()
+
+
+RSS_OF_A_SCRAPE = textwrap.dedent("""
+    import resource, sys
+    from robust_metrics.sidecar.rankdir import RankFolder
+    folder = RankFolder(sys.argv[1], alive=lambda pid, started: True)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    snap = folder.snapshot()
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print((after - before) // 1024, snap.corrupt_total)
+""")
+
+
+def test_a_huge_sparse_file_does_not_blow_the_sidecars_memory(tmp_path: Path) -> None:
+    folder = tmp_path / "m"
+    folder.mkdir()
+    huge = folder / "counter_4005.db"
+    with open(huge, "wb") as f:
+        f.write((256 << 20).to_bytes(4, "little") + b"\0" * 4)
+        f.truncate(256 << 20)  # sparse: no disk used
+    done = subprocess.run([sys.executable, "-c", RSS_OF_A_SCRAPE, str(folder)],
+                          capture_output=True, timeout=60, cwd=ROOT, check=False)
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    grown_mib, corrupt = (int(x) for x in done.stdout.split())
+    assert grown_mib < 16 and corrupt == 1, done.stdout
+
+
+def test_one_scrape_reads_a_bounded_number_of_bytes(tmp_path: Path) -> None:
+    for pid in (4010, 4011, 4012):
+        _rank_file(tmp_path / f"counter_{pid}.db", run=f"run{pid}")
+    folder = RankFolder(str(tmp_path), alive=lambda pid, started: True, max_scrape_bytes=1)
+    try:
+        snap = folder.snapshot()
+        assert len({labels["run"] for _, labels, _ in _series(folder)}) == 1
+        assert sum("not read, this scrape already read 1 bytes" in e for e in snap.errors) == 2
+    finally:
+        folder.close()
+
+
+def test_a_checkpoint_request_is_never_written_through_a_link(tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "control").symlink_to(outside)
+    with pytest.raises(OSError):
+        control.write_checkpoint_request(str(folder))
+    assert os.listdir(outside) == []
+
+
+# -- the sidecar acts only on proven ranks --------------------------------------------------------
+SECRET_HOLDER = textwrap.dedent("""
+    import time
+    def hold():
+        secret_api_key = "sk-do-not-leak"
+        while True:
+            time.sleep(0.05)
+    hold()
+""")
+
+
+@pytest.fixture
+def sidecar(tmp_path: Path) -> Iterator[tuple[TestClient, Path]]:
+    token = tmp_path / "token"
+    token.write_text(TOKEN)
+    config = SidecarConfig(directory=str(tmp_path / "m"), node="n1", collectors=["ranks"],
+                           sysfs=str(tmp_path), token_file=str(token))
+    config.validate()
+    app, folder, _ = build(config)
+    with TestClient(app) as client:
+        yield client, tmp_path / "m"
+    folder.close()
+
+
+def test_a_process_named_in_ranks_but_not_a_rank_is_never_dumped(
+        sidecar: tuple[TestClient, Path]) -> None:
+    if find_py_spy() is None:
+        pytest.skip("py-spy not installed (pip install robust-metrics[sidecar])")
+    client, folder = sidecar
+    victim = subprocess.Popen([sys.executable, "-c", SECRET_HOLDER])
+    try:
+        time.sleep(0.5)
+        (folder / "ranks" / f"{victim.pid}.json").write_text(json.dumps(
+            {"run": "r", "rank": 0, "started": time.time()}))
+        response = client.get("/debug/stacks?locals=1",
+                              headers={"Authorization": f"Bearer {TOKEN}"})
+        assert response.status_code == 200
+        assert "sk-do-not-leak" not in response.text
+        (entry,) = response.json()["ranks"]
+        assert entry["pid"] == victim.pid and entry["threads"] == []
+        assert "not proven a rank" in entry["error"]
+    finally:
+        victim.kill()
+        victim.wait()
+
+
+@pytest.mark.parametrize("timeout", ["nan", "inf", "-inf", "1e999"])
+def test_a_non_finite_stack_timeout_is_a_400(sidecar: tuple[TestClient, Path],
+                                             timeout: str) -> None:
+    client, _ = sidecar
+    response = client.get(f"/debug/stacks?timeout={timeout}",
+                          headers={"Authorization": f"Bearer {TOKEN}"})
+    assert response.status_code == 400
+    assert "finite" in response.json()["error"]
