@@ -162,7 +162,11 @@ class StepTimer:
         `host_seconds` is the step as the host clock saw it; it is used where the host is the
         source, and for a first step, which has no device mark to start from.
         """
-        end = None if self.source.host else self.source.mark()
+        if self.source.host:  # every mark is reached: read this step now, nothing pending
+            with self._lock:
+                intervals, self._intervals = self._intervals, []
+            return [(host_seconds, self._blocked(intervals, host_seconds))]
+        end = self.source.mark()
         with self._lock:
             step = _Step(self._last_end, end, host_seconds, self._intervals)
             self._intervals = []
@@ -194,8 +198,15 @@ class StepTimer:
             seconds = src.elapsed(step.begin, step.end)
         else:
             seconds = step.host_seconds
-        blocked = sum(max(0.0, src.elapsed(b, e)) for b, e in step.intervals)
-        return seconds, min(blocked, max(seconds, 0.0))
+        return seconds, self._blocked(step.intervals, seconds)
+
+    def _blocked(self, intervals: list[tuple[Mark, Mark]], seconds: float) -> float:
+        """Seconds blocked in a step: the sum of its intervals, never more than the step."""
+        if not intervals:
+            return 0.0
+        elapsed = self.source.elapsed
+        blocked = sum(max(0.0, elapsed(b, e)) for b, e in intervals)
+        return min(blocked, max(seconds, 0.0))
 
 
 class DdpProbe:
