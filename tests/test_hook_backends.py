@@ -91,6 +91,31 @@ def test_nccl_counts_tell_a_collective_never_launched_from_one_never_finished() 
     assert stats[("all_reduce", "dp")].count == 2 and stats[("all_reduce", "dp")].bytes == 4096
 
 
+def test_an_nccl_group_made_after_watch_is_timed_by_its_completion_hook(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Host times of NCCL calls are enqueue times: a group's first collective attaches the hook,
+    and the host-side return is not counted."""
+    import torch.distributed as dist
+
+    pg = FakeNcclGroup()
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    tracker = CollectiveTracker(on_error=lambda where, exc: pytest.fail(f"{where}: {exc}"))
+
+    def all_reduce(tensor: torch.Tensor, group: object = None) -> None:
+        pg.seq += 1  # what the process group does when the call enqueues the collective
+
+    wrapped = tracker._wrap("all_reduce", "all_reduce", all_reduce)
+    wrapped(torch.ones(4), group=pg)
+    wrapped(torch.ones(4), group=pg)
+    assert len(pg.hooks) == 1
+    pg.finish("OpType.ALLREDUCE", 3)
+    stats, entered, completed = tracker.snapshot()
+    assert (entered["dp"], completed["dp"]) == (2, 1)  # one still running on the device
+    assert stats[("all_reduce", "dp")].count == 1
+    assert stats[("all_reduce", "dp")].seconds == pytest.approx(0.003)
+
+
 def test_a_pending_collective_shows_as_entered_but_not_completed() -> None:
     tracker = CollectiveTracker(on_error=lambda where, exc: None)
     tracker.launch("all_reduce", "default_pg", 8)

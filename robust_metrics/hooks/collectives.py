@@ -109,6 +109,22 @@ class CollectiveTracker:
         self._groups_timed_by_hook: dict[str, tuple[Any, int]] = {}  # group -> (pg, seq at attach)
         self.closed = False
         self.originals: dict[str, Callable[..., Any]] = {}
+        self._seen_groups: set[int] = set()
+
+    def watch_group(self, group: Any) -> None:
+        """First use of a process group: an NCCL group gets the completion hook, because host
+        times of NCCL calls are enqueue times (groups made after `watch()` included)."""
+        self._seen_groups.add(id(group))
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            return
+        pg = group if group is not None else dist.distributed_c10d._get_default_group()
+        if dist.get_backend(pg) == "nccl" and group_label(pg) not in self._groups_timed_by_hook:
+            try:
+                self.attach_nccl_completion_hook(pg)
+            except Exception as exc:  # e.g. a hook of the user's own is registered already
+                log.info("robust-metrics: NCCL group %s not timed: %s", group_label(pg), exc)
 
     # -- accounting ------------------------------------------------------------------------
     def launch(self, op: str, group: str, nbytes: int) -> float:
@@ -196,7 +212,10 @@ class CollectiveTracker:
         @functools.wraps(original)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             try:
-                group = group_label(kwargs.get("group"))
+                pg = kwargs.get("group")
+                if id(pg) not in tracker._seen_groups:
+                    tracker.watch_group(pg)
+                group = group_label(pg)
                 nbytes = _payload_bytes(args[0]) if args else 0
                 started = tracker.launch(op, group, nbytes)
                 begin = tracker.timer.mark()

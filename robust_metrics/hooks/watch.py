@@ -198,9 +198,7 @@ class Watch:
         self._restore.append(self.tracker.unpatch)
         if not (dist.is_available() and dist.is_initialized()):
             return
-        pg = dist.distributed_c10d._get_default_group()
-        if dist.get_backend(pg) == "nccl":
-            self.tracker.attach_nccl_completion_hook(pg)
+        self.tracker.watch_group(None)  # the default group; others on their first collective
         ddp = torch_ddp_class()
         if ddp is not None and isinstance(self.model, ddp):
             self._install_ddp_probe()
@@ -211,6 +209,7 @@ class Watch:
         from robust_metrics.hooks.timing import DdpProbe
 
         tracker, group = self.tracker, group_label(self.model.process_group)
+        tracker.watch_group(self.model.process_group)  # NCCL: its buckets by completion hook
         probe = DdpProbe(self.model, tracker.timer, on_error=self._error,
                          on_window=lambda ready, end: tracker.ddp_reduction(
                              group, probe.nbytes, ready, end))
