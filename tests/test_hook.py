@@ -179,7 +179,7 @@ def test_exceptions_inside_the_hook_never_reach_training(
     def broken(*args: object, **kwargs: object) -> None:
         raise RuntimeError("injected failure")
 
-    monkeypatch.setattr(handle.tracker, "take_blocked", broken)
+    monkeypatch.setattr(handle.tracker.timer, "step_end", broken)
     monkeypatch.setattr(handle._losses, "add", broken)
     monkeypatch.setattr(handle, "_on_gc", broken, raising=True)
     monkeypatch.setattr(handle.sink, "flush", broken)

@@ -41,22 +41,79 @@ def test_otel_backend_exports_the_same_names() -> None:
     assert "robust_loss" in points
 
 
+class FakeNcclGroup(SimpleNamespace):
+    """A process group at the library boundary: a sequence number that counts every collective
+    entered (DDP's C++ buckets included) and the completion hook NCCL calls per collective."""
+
+    def __init__(self) -> None:
+        super().__init__(group_desc="dp", group_name="1", seq=5, hooks=[])
+
+    def _get_sequence_number_for_group(self) -> int:
+        return self.seq
+
+    def _register_on_completion_hook(self, hook) -> None:  # type: ignore[no-untyped-def]
+        self.hooks.append(hook)
+
+    def finish(self, op_type: str, ms: float) -> None:
+        info = SimpleNamespace(op_type=op_type, active_duration=datetime.timedelta(milliseconds=ms))
+        for hook in self.hooks:
+            hook(info)
+
+
 def test_nccl_durations_come_from_the_completion_hook_not_futures() -> None:
     """The NCCL path: durations from WorkInfo, never from a host-side wait (faked boundary)."""
-    registered = []
-    pg = SimpleNamespace(group_desc="dp", group_name="1",
-                         _register_on_completion_hook=registered.append)
+    pg = FakeNcclGroup()
     tracker = CollectiveTracker(on_error=lambda where, exc: pytest.fail(f"{where}: {exc}"))
     assert tracker.attach_nccl_completion_hook(pg)
     started = tracker.launch("all_reduce", "dp", 1024)
-    tracker.complete("all_reduce", "dp", started, blocked=True)  # host-side return: not counted
-    info = SimpleNamespace(op_type="OpType.ALLREDUCE",
-                           active_duration=datetime.timedelta(milliseconds=7))
-    registered[0](info)
+    pg.seq += 1
+    tracker.complete("all_reduce", "dp", started)  # host-side return (an enqueue): not counted
+    pg.finish("OpType.ALLREDUCE", 7)
     stats, entered, completed = tracker.snapshot()
     assert entered == {"dp": 1} and completed == {"dp": 1}
     assert stats[("all_reduce", "dp")].count == 1
     assert stats[("all_reduce", "dp")].seconds == pytest.approx(0.007)
+    assert stats[("all_reduce", "dp")].bytes == 1024
+
+
+def test_nccl_counts_tell_a_collective_never_launched_from_one_never_finished() -> None:
+    """DDP's buckets never pass through Python: the group's sequence number counts them entered,
+    the completion hook completed; a bucket launched and stuck on the device shows as the gap."""
+    pg = FakeNcclGroup()
+    tracker = CollectiveTracker(on_error=lambda where, exc: pytest.fail(f"{where}: {exc}"))
+    tracker.attach_nccl_completion_hook(pg)
+    pg.seq += 3  # three buckets launched by DDP's reducer
+    pg.finish("OpType.ALLREDUCE", 2)
+    pg.finish("OpType.ALLREDUCE", 2)
+    tracker.ddp_reduction("dp", 4096, 0.0, 1.0)  # bytes only: the hook times the buckets
+    stats, entered, completed = tracker.snapshot()
+    assert (entered["dp"], completed["dp"]) == (3, 2)  # launched, one never finished: GPU side
+    assert stats[("all_reduce", "dp")].count == 2 and stats[("all_reduce", "dp")].bytes == 4096
+
+
+def test_an_nccl_group_made_after_watch_is_timed_by_its_completion_hook(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Host times of NCCL calls are enqueue times: a group's first collective attaches the hook,
+    and the host-side return is not counted."""
+    import torch.distributed as dist
+
+    pg = FakeNcclGroup()
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    tracker = CollectiveTracker(on_error=lambda where, exc: pytest.fail(f"{where}: {exc}"))
+
+    def all_reduce(tensor: torch.Tensor, group: object = None) -> None:
+        pg.seq += 1  # what the process group does when the call enqueues the collective
+
+    wrapped = tracker._wrap("all_reduce", "all_reduce", all_reduce)
+    wrapped(torch.ones(4), group=pg)
+    wrapped(torch.ones(4), group=pg)
+    assert len(pg.hooks) == 1
+    pg.finish("OpType.ALLREDUCE", 3)
+    stats, entered, completed = tracker.snapshot()
+    assert (entered["dp"], completed["dp"]) == (2, 1)  # one still running on the device
+    assert stats[("all_reduce", "dp")].count == 1
+    assert stats[("all_reduce", "dp")].seconds == pytest.approx(0.003)
 
 
 def test_a_pending_collective_shows_as_entered_but_not_completed() -> None:

@@ -1,22 +1,29 @@
 """Collective timing: count, seconds and bytes per op kind and process group, and time blocked.
 
-Two entry points see every collective of a typical job:
+Two entry points see every collective of a typical job, and neither replaces DDP's own C++
+all-reduce with Python:
 - the `torch.distributed` functions (`all_reduce`, `all_gather_into_tensor`, `send`, ...), wrapped
   while a watch is active, for sync and `async_op=True` calls (FSDP, pipeline p2p, user code);
-- a DDP communication hook that all-reduces gradient buckets exactly as DDP's default hook does,
-  and times each bucket through its future.
-
-Completion is observed through the work's future on gloo, and through the process group's
-completion hook on NCCL (`TORCH_NCCL_ENABLE_TIMING`), so the hook never synchronises the GPU.
+- DDP's gradient reduction, seen from two points per step (`robust_metrics.hooks.timing.DdpProbe`):
+  when the last gradient DDP reduces is ready and when backward returns.
 
 Time *blocked* is what separates a straggler from its victims: in a synchronous collective the slow
 rank waits least. A rank is blocked for the whole of a sync call, for the time inside `Work.wait()`
-of an async call, and, for DDP, from the launch of the step's last bucket (when backward compute is
-done) to the completion of the last bucket.
+of an async call, and, for DDP, from its last gradient being ready to backward returning. These
+intervals are marks of the step's `StepTimer` (host clock on the CPU, CUDA events on the current
+stream on GPUs), so on NCCL they measure the time the compute stream waited, not the enqueue.
+
+Per-collective durations: on the host, launch to completion (the call's return, or the async
+work's future); on NCCL, from the process group's completion hook (`TORCH_NCCL_ENABLE_TIMING=1`
+for device-side durations), which also sees each of DDP's buckets. There the process group's own
+sequence number counts the collectives entered, DDP's included, and the completion hook counts
+those completed: a rank whose count entered lags never launched the collective (a CPU-side hang),
+one whose completed count lags launched it and the device never finished it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import threading
@@ -24,6 +31,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from robust_metrics.hooks.timing import HostClock, StepTimer
 
 __all__ = ["OP_KINDS", "CollectiveTracker", "group_label"]
 
@@ -83,38 +92,55 @@ class _Stats:
 
 
 class CollectiveTracker:
-    """Accumulates per-(op, group) stats and per-step blocked time; safe across threads."""
+    """Accumulates per-(op, group) stats; blocked intervals go to the step's `StepTimer`.
 
-    def __init__(self, on_error: Callable[[str, BaseException], None]) -> None:
+    Safe across threads (async futures complete on backend threads).
+    """
+
+    def __init__(self, on_error: Callable[[str, BaseException], None],
+                 timer: StepTimer | None = None) -> None:
         self._lock = threading.Lock()
         self.stats: dict[tuple[str, str], _Stats] = {}
         self.entered: dict[str, int] = {}
         self.completed: dict[str, int] = {}
-        self._blocked = 0.0
-        self._ddp_last_launch = 0.0
-        self._ddp_last_done = 0.0
+        self.timer = timer if timer is not None else StepTimer(HostClock())
         self._on_error = on_error
         self._patched: dict[tuple[Any, str], Any] = {}
-        self._groups_timed_by_hook: set[str] = set()
+        self._groups_timed_by_hook: dict[str, tuple[Any, int]] = {}  # group -> (pg, seq at attach)
         self.closed = False
         self.originals: dict[str, Callable[..., Any]] = {}
+        self._seen_groups: set[int] = set()
+
+    def watch_group(self, group: Any) -> None:
+        """First use of a process group: an NCCL group gets the completion hook, because host
+        times of NCCL calls are enqueue times (groups made after `watch()` included)."""
+        self._seen_groups.add(id(group))
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            return
+        pg = group if group is not None else dist.distributed_c10d._get_default_group()
+        if dist.get_backend(pg) == "nccl" and group_label(pg) not in self._groups_timed_by_hook:
+            try:
+                self.attach_nccl_completion_hook(pg)
+            except Exception as exc:  # e.g. a hook of the user's own is registered already
+                log.info("robust-metrics: NCCL group %s not timed: %s", group_label(pg), exc)
 
     # -- accounting ------------------------------------------------------------------------
     def launch(self, op: str, group: str, nbytes: int) -> float:
+        """Count a collective entered (unless its process group counts them) and its bytes."""
         with self._lock:
-            self.entered[group] = self.entered.get(group, 0) + 1
+            if group not in self._groups_timed_by_hook:
+                self.entered[group] = self.entered.get(group, 0) + 1
             stats = self.stats.get((op, group))
             if stats is None:
                 stats = self.stats[(op, group)] = _Stats()
             stats.bytes += nbytes
         return time.perf_counter()
 
-    def complete(self, op: str, group: str, started: float, *, blocked: bool) -> None:
-        done = time.perf_counter()
-        self.record_completion(op, group, done - started)
-        if blocked:
-            with self._lock:
-                self._blocked += done - started
+    def complete(self, op: str, group: str, started: float) -> None:
+        """A host-observed completion: right on gloo, an enqueue on NCCL (then ignored)."""
+        self.record_completion(op, group, time.perf_counter() - started)
 
     def record_completion(self, op: str, group: str, seconds: float, *, from_hook: bool = False,
                           ) -> None:
@@ -128,22 +154,33 @@ class CollectiveTracker:
             stats.count += 1
             stats.seconds += seconds
 
-    def add_blocked(self, seconds: float) -> None:
-        with self._lock:
-            self._blocked += seconds
+    def ddp_reduction(self, group: str, nbytes: int, ready: Any, end: Any) -> None:
+        """One step's DDP gradient reduction, from its last bucket's launch to backward's return.
 
-    def take_blocked(self) -> float:
-        """Seconds blocked since the last call (one step), DDP tail included."""
-        with self._lock:
-            blocked = self._blocked + max(0.0, self._ddp_last_done - self._ddp_last_launch)
-            self._blocked = 0.0
-            self._ddp_last_launch = self._ddp_last_done = 0.0
-        return blocked
+        On the host both points are times, and the window is the last bucket's launch to the
+        completion of all buckets. Where a completion hook times the group (NCCL), every bucket is
+        counted there with its device duration, so nothing is recorded here.
+        """
+        if group in self._groups_timed_by_hook or not self.timer.source.host:
+            with self._lock:  # bytes only: the completion hook counts and times the buckets
+                stats = self.stats.get(("all_reduce", group))
+                if stats is None:
+                    stats = self.stats[("all_reduce", group)] = _Stats()
+                stats.bytes += nbytes
+            return
+        self.launch("all_reduce", group, nbytes)
+        self.record_completion("all_reduce", group, max(0.0, end - ready))
 
     def snapshot(self) -> tuple[dict[tuple[str, str], _Stats], dict[str, int], dict[str, int]]:
         with self._lock:
             stats = {k: _Stats(v.count, v.seconds, v.bytes) for k, v in self.stats.items()}
-            return stats, dict(self.entered), dict(self.completed)
+            entered = dict(self.entered)
+            completed = dict(self.completed)
+            hooked = list(self._groups_timed_by_hook.items())
+        for group, (pg, base) in hooked:  # the process group counts what DDP's C++ launches too
+            with contextlib.suppress(Exception):
+                entered[group] = int(pg._get_sequence_number_for_group()) - base
+        return stats, entered, completed
 
     # -- torch.distributed functions ---------------------------------------------------------
     def patch(self) -> None:
@@ -175,16 +212,21 @@ class CollectiveTracker:
         @functools.wraps(original)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             try:
-                group = group_label(kwargs.get("group"))
+                pg = kwargs.get("group")
+                if id(pg) not in tracker._seen_groups:
+                    tracker.watch_group(pg)
+                group = group_label(pg)
                 nbytes = _payload_bytes(args[0]) if args else 0
                 started = tracker.launch(op, group, nbytes)
+                begin = tracker.timer.mark()
             except Exception as exc:  # accounting must never break the collective
                 tracker._on_error("collectives", exc)
                 return original(*args, **kwargs)
             result = original(*args, **kwargs)
             try:
                 if result is None or not (always_async or kwargs.get("async_op")):
-                    tracker.complete(op, group, started, blocked=True)
+                    tracker.timer.blocked(begin)
+                    tracker.complete(op, group, started)
                     return result
                 return tracker._track_async(result, op, group, started)
             except Exception as exc:
@@ -197,7 +239,7 @@ class CollectiveTracker:
     def _track_async(self, work: Any, op: str, group: str, started: float) -> Any:
         future = work.get_future()
         future.add_done_callback(
-            lambda _f: self._guarded(self.complete, op, group, started, blocked=False))
+            lambda _f: self._guarded(self.complete, op, group, started))
         return _TimedWork(work, self)
 
     def _guarded(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
@@ -205,38 +247,6 @@ class CollectiveTracker:
             fn(*args, **kwargs)
         except Exception as exc:
             self._on_error("collectives", exc)
-
-    # -- DDP gradient buckets ------------------------------------------------------------------
-    def ddp_comm_hook(self, process_group: Any = None) -> Callable[[Any, Any], Any]:
-        """A DDP comm hook equal to DDP's default all-reduce (mean), timed per bucket."""
-        import torch.distributed as dist
-
-        all_reduce = self.originals.get("all_reduce", dist.all_reduce)
-        group = group_label(process_group)
-        world = dist.get_world_size(process_group)
-        tracker = self
-
-        def hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP rejects non-GradBucket annotations
-            tensor = bucket.buffer()
-            tensor.div_(world)
-            if tracker.closed:  # DDP cannot unregister a comm hook: after close(), just all-reduce
-                return all_reduce(tensor, group=process_group, async_op=True).get_future().then(
-                    lambda fut: fut.value()[0])
-            started = tracker.launch("all_reduce", group, _payload_bytes(tensor))
-            tracker._ddp_last_launch = started
-            future = all_reduce(tensor, group=process_group, async_op=True).get_future()
-
-            def finish(fut: Any) -> Any:
-                try:
-                    tracker.record_completion("all_reduce", group, time.perf_counter() - started)
-                    tracker._ddp_last_done = time.perf_counter()
-                except Exception as exc:
-                    tracker._on_error("collectives", exc)
-                return fut.value()[0]
-
-            return future.then(finish)
-
-        return hook
 
     # -- NCCL ------------------------------------------------------------------------------
     def attach_nccl_completion_hook(self, pg: Any) -> bool:
@@ -264,7 +274,11 @@ class CollectiveTracker:
                 self._on_error("collectives", exc)
 
         register(on_complete)
-        self._groups_timed_by_hook.add(group)
+        base = 0
+        with contextlib.suppress(Exception):
+            base = int(pg._get_sequence_number_for_group())
+        with self._lock:
+            self._groups_timed_by_hook[group] = (pg, base)
         return True
 
 
@@ -278,11 +292,12 @@ class _TimedWork:
         self._tracker = tracker
 
     def wait(self, *args: Any, **kwargs: Any) -> Any:
-        started = time.perf_counter()
+        timer = self._tracker.timer
+        begin = timer.mark()
         try:
             return self._work.wait(*args, **kwargs)
         finally:
-            self._tracker.add_blocked(time.perf_counter() - started)
+            timer.blocked(begin)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._work, name)

@@ -15,9 +15,12 @@ one JSON line per op in the what-if schema, into `DIR/trace-rank<R>.jsonl`:
   (`with span("forward-send"): dist.send(...)`).
 
 dp_rank and stage come from `topology` (`dp_rank`, `pp_rank`), else dp_rank = rank, stage 0.
-Times are wall-clock seconds (comparable across processes of a node; across nodes as good as
-clock synchronisation). They are host times, exact for CPU work; for CUDA work they are host-side
-and need `torch.cuda.synchronize` semantics to be meaningful (documented in docs/whatif.md).
+Every point is a mark of the watch's timing source (`robust_metrics.hooks.timing`): the host
+clock for CPU models, a CUDA event on the current stream for GPU models. A sampled step is
+written once all its marks are reached, usually one step later on a GPU, and nothing waits for
+the device. Times are wall-clock seconds: the step's first mark is placed at the host time it
+was taken and every other op at its device offset from it, so across ranks they are as
+comparable as the clocks and the host's lead over the device at the step's first forward.
 Zero cost when `trace_every == 0`: nothing here is installed. Every hook body is guarded.
 """
 
@@ -32,6 +35,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from robust_metrics.hooks.timing import HostClock, TimingSource
+
 __all__ = ["TraceRecorder", "span"]
 
 _active: TraceRecorder | None = None
@@ -42,8 +47,9 @@ class TraceRecorder:
 
     def __init__(self, *, trace_dir: str, every: int, steps: int, rank: int,
                  topology: dict[str, int], on_error: Callable[[str, BaseException], None],
-                 current_step: Callable[[], int], ddp_window: Callable[[], tuple[float, float]]
-                 | None = None) -> None:
+                 current_step: Callable[[], int], source: TimingSource | None = None,
+                 ddp_window: Callable[[], tuple[Any, Any] | None] | None = None,
+                 max_pending: int = 4) -> None:
         self.every, self.steps = every, steps
         self.rank = rank
         self.dp_rank = int(topology.get("dp_rank", rank))
@@ -58,21 +64,29 @@ class TraceRecorder:
         self._in_step = False
         self.sampled = False
         self.step = -1
-        self._ops: list[tuple[str, float, float, int]] = []  # optype, start, end, mb
-        self._forward_start = 0.0
-        self._backward: list[tuple[float, float]] = []
+        self.source: TimingSource = source if source is not None else HostClock()
+        self._ops: list[tuple[str, Any, Any, int]] = []  # optype, start mark, end mark, mb
+        self._forward_start: Any = None
+        self._backward: list[tuple[Any, Any]] = []
         self._forwards = 0
         self._gc_total = 0.0
         self._gc_started = 0.0
-        self._opt_start = 0.0
-        self._window: tuple[float, float] = (0.0, 0.0)
+        self._opt_start: Any = None
+        self._window: tuple[Any, Any] | None = None
+        self._base: tuple[Any, float] | None = None  # the step's first mark, its wall time
+        self._pending: list[_SampledStep] = []
+        self.max_pending = max_pending
         self.steps_written = 0
 
     def is_sampled(self, step: int) -> bool:
         return self.every > 0 and step % self.every < self.steps
 
-    def _now(self) -> float:
-        return time.perf_counter() + self._offset
+    def _now(self) -> Any:
+        """A mark of the timing source; the step's first one is tied to the wall clock."""
+        mark = self.source.mark()
+        if self._base is None:
+            self._base = (mark, time.perf_counter() + self._offset)
+        return mark
 
     # -- installation ----------------------------------------------------------------------------
     def install(self, model: Any, optimizer: Any) -> list[Callable[[], None]]:
@@ -117,6 +131,8 @@ class TraceRecorder:
         self._backward.clear()
         self._forwards = 0
         self._gc_total = 0.0
+        self._base = None
+        self._window = None
 
     def _on_forward_pre(self, module: Any, inputs: Any) -> None:
         if not self._in_step:
@@ -125,11 +141,11 @@ class TraceRecorder:
             self._forward_start = self._now()
 
     def _on_forward(self, module: Any, inputs: Any, output: Any) -> None:
-        if self.sampled and self._forward_start:
+        if self.sampled and self._forward_start is not None:
             self._ops.append(("forward-compute", self._forward_start, self._now(),
                               self._forwards))
             self._forwards += 1
-            self._forward_start = 0.0
+            self._forward_start = None
 
     def _wrap_backward(self, original: Callable[..., Any]) -> Callable[..., Any]:
         recorder = self
@@ -160,11 +176,7 @@ class TraceRecorder:
         if not self.sampled:
             return
         self._opt_start = self._now()
-        self._window = (0.0, 0.0)
-        if self.ddp_window is not None:
-            launch, done = self.ddp_window()
-            if launch and done >= launch:
-                self._window = (launch + self._offset, done + self._offset)
+        self._window = self.ddp_window() if self.ddp_window is not None else None
 
     def _on_opt_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self._in_step = False
@@ -172,38 +184,35 @@ class TraceRecorder:
             return
         self.sampled = False
         self._ops.append(("optimizer", self._opt_start, self._now(), -1))
-        self._finish_backward()
-        self._write()
+        if self._base is not None:
+            self._pending.append(_SampledStep(self.step, self._base, list(self._ops),
+                                              list(self._backward), self._window,
+                                              self._gc_total))
+        del self._pending[:-self.max_pending]
+        self._write_ready()
 
-    def _finish_backward(self) -> None:
-        launch, done = self._window
-        last_compute = 0.0
-        for mb, (began, ended) in enumerate(self._backward):
-            if launch and began <= launch <= ended and mb == len(self._backward) - 1:
-                ended = launch  # compute ends when the last gradient bucket is launched
-            self._ops.append(("backward-compute", began, ended, mb))
-            last_compute = max(last_compute, ended)
-        if launch and done:
-            self._ops.append(("grads-reduce-scatter", launch, done, -1))
-        after = last_compute or max((e for _, _, e, _ in self._ops), default=self._now())
-        self._ops.append(("gc", after, after + self._gc_total, -1))
+    def _write_ready(self) -> None:
+        """Write every pending sampled step whose marks are all reached, oldest first."""
+        while self._pending and self._pending[0].reached(self.source):
+            self._write(self._pending.pop(0).resolve(self.source))
 
-    def add_span(self, optype: str, began: float, ended: float) -> None:
+    def add_span(self, optype: str, began: Any, ended: Any) -> None:
         """Record a user-marked op (see `span`) in the current sampled step."""
         if self.sampled:
-            self._ops.append((optype, began + self._offset, ended + self._offset, -1))
+            self._ops.append((optype, began, ended, -1))
 
     # -- output ------------------------------------------------------------------------------------
-    def _write(self) -> None:
+    def _write(self, step: tuple[int, list[tuple[str, float, float, int]]]) -> None:
+        number, ops = step
         seq: dict[str, int] = {}
         lines = []
-        for optype, began, ended, mb in sorted(self._ops, key=lambda o: (o[1], o[0])):
+        for optype, began, ended, mb in sorted(ops, key=lambda o: (o[1], o[0])):
             k = seq.get(optype, 0)
             seq[optype] = k + 1
             compute = optype.endswith("-compute")
             lines.append(json.dumps({
                 "dp_rank": self.dp_rank, "stage": self.stage, "rank": self.rank,
-                "step": self.step, "optype": optype, "start_ts": began,
+                "step": number, "optype": optype, "start_ts": began,
                 "duration": max(0.0, ended - began), "seq_id": k,
                 "mc": 0 if compute or optype == "grads-reduce-scatter" else -1,
                 "gmc": self.stage if compute else -1, "mb_id": mb if compute else -1}))
@@ -233,9 +242,55 @@ def span(optype: str) -> Iterator[None]:
     if recorder is None or not recorder.sampled:
         yield
         return
-    began = time.perf_counter()
+    began = recorder._now()
     try:
         yield
     finally:
         with contextlib.suppress(Exception):
-            recorder.add_span(optype, began, time.perf_counter())
+            recorder.add_span(optype, began, recorder._now())
+
+
+class _SampledStep:
+    """A sampled step's marks, kept until the device has reached them all."""
+
+    def __init__(self, number: int, base: tuple[Any, float], ops: list[tuple[str, Any, Any, int]],
+                 backward: list[tuple[Any, Any]], window: tuple[Any, Any] | None,
+                 gc_seconds: float) -> None:
+        self.number, self.base, self.ops = number, base, ops
+        self.backward, self.window, self.gc_seconds = backward, window, gc_seconds
+
+    def _marks(self) -> Iterator[Any]:
+        yield self.base[0]
+        for _, began, ended, _ in self.ops:
+            yield began
+            yield ended
+        for began, ended in self.backward:
+            yield began
+            yield ended
+        if self.window is not None:
+            yield from self.window
+
+    def reached(self, source: TimingSource) -> bool:
+        return all(source.ready(m) for m in self._marks())
+
+    def resolve(self, source: TimingSource) -> tuple[int, list[tuple[str, float, float, int]]]:
+        """Wall-clock seconds of every op; backward ends where DDP's last bucket launches."""
+        mark0, wall0 = self.base
+
+        def at(mark: Any) -> float:
+            return wall0 + source.elapsed(mark0, mark)
+
+        ops = [(name, at(b), at(e), mb) for name, b, e, mb in self.ops]
+        launch, done = (at(self.window[0]), at(self.window[1])) if self.window else (0.0, 0.0)
+        last_compute = 0.0
+        for mb, (b, e) in enumerate(self.backward):
+            began, ended = at(b), at(e)
+            if launch and began <= launch <= ended and mb == len(self.backward) - 1:
+                ended = launch  # compute ends when the last gradient bucket is launched
+            ops.append(("backward-compute", began, ended, mb))
+            last_compute = max(last_compute, ended)
+        if launch and done >= launch and launch >= wall0:
+            ops.append(("grads-reduce-scatter", launch, done, -1))
+        after = last_compute or max((e for _, _, e, _ in ops), default=wall0)
+        ops.append(("gc", after, after + self.gc_seconds, -1))
+        return self.number, ops

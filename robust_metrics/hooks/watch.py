@@ -83,6 +83,7 @@ class Watch:
         self._flusher_stop = threading.Event()
         self._phase = "train"
         self.tracker = CollectiveTracker(self._error)
+        self._ddp_probe: Any = None
         self.control = ControlChannel(
             options.metrics_dir, options.checkpoint_signal if options.checkpoint else None,
             options.control_poll_interval)
@@ -185,20 +186,30 @@ class Watch:
     def _install_collectives(self) -> None:
         import torch.distributed as dist
 
+        from robust_metrics.hooks.timing import StepTimer, source_for
+
+        self.tracker.timer = StepTimer(source_for(self._cuda))  # CUDA events on GPU models
         self.tracker.patch()
         self._restore.append(self.tracker.unpatch)
         if not (dist.is_available() and dist.is_initialized()):
             return
-        pg = dist.distributed_c10d._get_default_group()
-        if dist.get_backend(pg) == "nccl":
-            self.tracker.attach_nccl_completion_hook(pg)
+        self.tracker.watch_group(None)  # the default group; others on their first collective
         ddp = torch_ddp_class()
         if ddp is not None and isinstance(self.model, ddp):
-            try:
-                self.model.register_comm_hook(None, self.tracker.ddp_comm_hook(
-                    self.model.process_group))
-            except (RuntimeError, ValueError) as exc:  # e.g. the user registered their own
-                log.info("robust-metrics: DDP buckets not timed: %s", exc)
+            self._install_ddp_probe()
+
+    def _install_ddp_probe(self) -> None:
+        """DDP keeps its C++ all-reduce; its exposed tail is timed from two points per step."""
+        from robust_metrics.hooks.collectives import group_label
+        from robust_metrics.hooks.timing import DdpProbe
+
+        tracker, group = self.tracker, group_label(self.model.process_group)
+        tracker.watch_group(self.model.process_group)  # NCCL: its buckets by completion hook
+        probe = DdpProbe(self.model, tracker.timer, on_error=self._error,
+                         on_window=lambda ready, end: tracker.ddp_reduction(
+                             group, probe.nbytes, ready, end))
+        self._restore.append(probe.install())
+        self._ddp_probe = probe
 
     @_guard("trace")
     def _install_trace(self) -> None:
@@ -208,7 +219,7 @@ class Watch:
         recorder = TraceRecorder(
             trace_dir=str(o.trace_dir), every=o.trace_every, steps=o.trace_steps, rank=o.rank,
             topology=o.topology, on_error=self._error, current_step=lambda: self.global_step,
-            ddp_window=lambda: (tracker._ddp_last_launch, tracker._ddp_last_done))
+            source=tracker.timer.source, ddp_window=lambda: tracker.timer.last_window)
         self._restore.extend(recorder.install(self.model, self.optimizer))
 
     # -- hooks -----------------------------------------------------------------------------
@@ -263,9 +274,9 @@ class Watch:
         now = time.perf_counter()
         started = self._last_step_end if self._last_step_end is not None else now
         duration = now - started
-        blocked = self.tracker.take_blocked() if self.options.collectives else 0.0
-        self._step_duration.observe(duration)
-        self._step_compute.observe(max(0.0, duration - blocked))
+        for seconds, blocked in self._timed_steps(duration):  # on GPUs: earlier steps' events
+            self._step_duration.observe(seconds)
+            self._step_compute.observe(max(0.0, seconds - blocked))
         self._steps.inc()
         self.global_step += 1
         self._global_step.set(self.global_step)
@@ -276,6 +287,14 @@ class Watch:
         self._flush()
         self._last_step_end = time.perf_counter()
         self._awaiting_forward = True
+
+    def _timed_steps(self, host_seconds: float) -> list[tuple[float, float]]:
+        """(step, blocked) seconds of the steps now readable (robust_metrics.hooks.timing)."""
+        if not self.options.collectives:
+            return [(host_seconds, 0.0)]
+        if self._ddp_probe is not None:
+            self._ddp_probe.step_end()
+        return self.tracker.timer.step_end(host_seconds)
 
     def _submit_numerics(self) -> None:
         taken = self._losses.take()
@@ -370,6 +389,7 @@ class Watch:
     def _enter_phase(self, name: str) -> None:
         if name == "train" and self._phase != "train":
             self._last_step_end = None  # time spent outside training is not part of a step
+            self.tracker.timer.restart()
             self._awaiting_forward = True
         self._set_phase(name)
         self._flush(force=True)

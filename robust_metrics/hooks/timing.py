@@ -1,0 +1,302 @@
+"""Where step and communication time is measured: the host clock, or CUDA events on the device.
+
+On the CPU (gloo) a collective blocks the calling thread, so the host clock around it is the time
+the rank was blocked. On GPUs it is not: an NCCL collective returns, and its future completes, as
+soon as the work is enqueued, and `Work.wait()` only makes the current stream wait. There the
+time a rank is blocked is the time its compute stream waits, which only CUDA events recorded on
+that stream can see. Both are behind one small boundary, `TimingSource`:
+
+- `mark()` records a point in the order work runs (a host time, or an event on the current
+  stream), `ready(mark)` says without blocking whether that point has been reached, and
+  `elapsed(a, b)` gives the seconds between two reached points.
+
+`StepTimer` is the one estimator on top of it, for every backend: per step it collects the
+intervals a rank was blocked (`(begin, end)` marks around a sync collective or a `Work.wait()`,
+and for DDP the exposed tail of the gradient reduction: from when the last gradient DDP reduces
+is ready to when backward returns), and at each step end returns the `(step, blocked)` seconds of
+every earlier step whose marks are reached. On the host that is the step just ended; with CUDA
+events it is usually the one before: nothing here ever synchronises the device.
+
+`DdpProbe` finds those two DDP points with post-accumulate-grad hooks and an autograd final
+callback, and leaves DDP's own C++ all-reduce in place (no Python communication hook).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+__all__ = ["CudaEvents", "DdpProbe", "HostClock", "StepTimer", "TimingSource", "source_for"]
+
+Mark = Any
+
+
+class TimingSource(Protocol):
+    """Records points where work runs and reads them later, never waiting for them."""
+
+    host: bool  # True when a mark is a host time that is reached when it is taken
+
+    def mark(self) -> Mark: ...
+    def ready(self, mark: Mark) -> bool: ...
+    def elapsed(self, begin: Mark, end: Mark) -> float: ...
+
+
+class HostClock:
+    """`time.perf_counter`: right where the host is blocked (CPU tensors, gloo)."""
+
+    host = True
+
+    def mark(self) -> float:
+        return time.perf_counter()
+
+    def ready(self, mark: float) -> bool:
+        return True
+
+    def elapsed(self, begin: float, end: float) -> float:
+        return end - begin
+
+
+class CudaEvents:
+    """Timing events on the current CUDA stream, read with `query()` once reached.
+
+    `Event.record()` enqueues a marker and returns; `query()` and `elapsed_time()` of two
+    completed events do not synchronise. An event is never reused: a sampled trace may still
+    hold one that the step timer has already read.
+    """
+
+    host = False
+
+    def __init__(self) -> None:
+        import torch
+
+        self._event = torch.cuda.Event
+
+    def mark(self) -> Any:
+        event = self._event(enable_timing=True)
+        event.record()
+        return event
+
+    def ready(self, mark: Any) -> bool:
+        return bool(mark.query())
+
+    def elapsed(self, begin: Any, end: Any) -> float:
+        return float(begin.elapsed_time(end)) / 1000.0
+
+
+def source_for(device: Any) -> TimingSource:
+    """CUDA events when the model lives on a CUDA device, else the host clock."""
+    if device is not None and getattr(device, "type", "") == "cuda":
+        return CudaEvents()
+    return HostClock()
+
+
+@dataclass
+class _Step:
+    begin: Mark | None
+    end: Mark | None
+    host_seconds: float
+    intervals: list[tuple[Mark, Mark]] = field(default_factory=list)
+
+
+class StepTimer:
+    """Per-step time and time blocked in communication, from marks of one `TimingSource`.
+
+    Call `blocked(begin)` after anything the rank waited in (with `begin = mark()` taken before
+    it), `grad_ready()` and `backward_end()` for DDP's exposed reduction, and `step_end(host)`
+    at each optimizer step; it returns `(step_seconds, blocked_seconds)` for each step now
+    readable, oldest first. At most `max_pending` steps wait to be read; older ones are dropped
+    (counted in `dropped`) so memory stays bounded if a device stops progressing.
+    """
+
+    def __init__(self, source: TimingSource, max_pending: int = 8) -> None:
+        self.source = source
+        self.max_pending = max_pending
+        self.dropped = 0
+        self._lock = threading.Lock()
+        self._intervals: list[tuple[Mark, Mark]] = []
+        self._ready: Mark | None = None
+        self._last_end: Mark | None = None
+        self._pending: deque[_Step] = deque()
+        self.last_window: tuple[Mark, Mark] | None = None
+
+    def mark(self) -> Mark:
+        return self.source.mark()
+
+    def blocked(self, begin: Mark) -> None:
+        """The rank was blocked from `begin` until now (a sync collective, a `Work.wait()`)."""
+        end = self.source.mark()
+        with self._lock:
+            self._intervals.append((begin, end))
+
+    def grad_ready(self) -> None:
+        """A gradient DDP reduces is ready; the last such call before `backward_end` counts."""
+        mark = self.source.mark()
+        with self._lock:
+            self._ready = mark
+
+    def backward_end(self) -> tuple[Mark, Mark] | None:
+        """Backward returned: the reduction was exposed from the last `grad_ready` until now."""
+        with self._lock:
+            ready, self._ready = self._ready, None
+            if ready is None:
+                return None
+            window = (ready, self.source.mark())
+            self._intervals.append(window)
+            self.last_window = window
+        return window
+
+    def restart(self) -> None:
+        """Time from here to the next step end is not a step (training resumes after a pause)."""
+        with self._lock:
+            self._last_end = None
+            self._intervals = []
+            self._ready = None
+
+    def step_end(self, host_seconds: float) -> list[tuple[float, float]]:
+        """Close a step; return `(step, blocked)` seconds of every step that can now be read.
+
+        `host_seconds` is the step as the host clock saw it; it is used where the host is the
+        source, and for a first step, which has no device mark to start from.
+        """
+        if self.source.host:  # every mark is reached: read this step now, nothing pending
+            with self._lock:
+                intervals, self._intervals = self._intervals, []
+            return [(host_seconds, self._blocked(intervals, host_seconds))]
+        end = self.source.mark()
+        with self._lock:
+            step = _Step(self._last_end, end, host_seconds, self._intervals)
+            self._intervals = []
+            self._last_end = end
+            self._pending.append(step)
+            while len(self._pending) > self.max_pending:
+                self._pending.popleft()
+                self.dropped += 1
+        return self._drain()
+
+    def _drain(self) -> list[tuple[float, float]]:
+        out: list[tuple[float, float]] = []
+        while True:
+            with self._lock:
+                if not self._pending or not self._reached(self._pending[0]):
+                    return out
+                step = self._pending.popleft()
+            out.append(self._read(step))
+
+    def _reached(self, step: _Step) -> bool:
+        ready = self.source.ready
+        if step.end is not None and not ready(step.end):
+            return False
+        return all(ready(b) and ready(e) for b, e in step.intervals)
+
+    def _read(self, step: _Step) -> tuple[float, float]:
+        src = self.source
+        if step.end is not None and step.begin is not None:
+            seconds = src.elapsed(step.begin, step.end)
+        else:
+            seconds = step.host_seconds
+        return seconds, self._blocked(step.intervals, seconds)
+
+    def _blocked(self, intervals: list[tuple[Mark, Mark]], seconds: float) -> float:
+        """Seconds blocked in a step: the sum of its intervals, never more than the step."""
+        if not intervals:
+            return 0.0
+        elapsed = self.source.elapsed
+        blocked = sum(max(0.0, elapsed(b, e)) for b, e in intervals)
+        return min(blocked, max(seconds, 0.0))
+
+
+class DdpProbe:
+    """The two points of a DDP step that bound its exposed gradient reduction.
+
+    `grad_ready` fires from a post-accumulate-grad hook on the parameter whose gradient is ready
+    last (found in the first backward, when every trainable parameter is hooked; found again if
+    it stops firing), which is when DDP launches its last bucket. `backward_end` fires from an
+    autograd final callback queued behind DDP's own (DDP waits for its buckets in its callback),
+    which is when backward returns. `on_window(ready, end)` is told of each closed window.
+    """
+
+    def __init__(self, model: Any, timer: StepTimer,
+                 on_window: Callable[[Mark, Mark], None],
+                 on_error: Callable[[str, BaseException], None]) -> None:
+        from torch.autograd import Variable
+
+        self._queue = Variable._execution_engine.queue_callback
+        self._timer = timer
+        self._on_window = on_window
+        self._on_error = on_error
+        ignored = set(getattr(model, "parameters_to_ignore", ()) or ())
+        self._params = [p for n, p in model.module.named_parameters()
+                        if p.requires_grad and n not in ignored]
+        self._handles: list[Any] = []
+        self._order: list[int] = []
+        self._queued = False
+        self._fired = False
+        self.watched: int | None = None
+        self.nbytes = sum(p.numel() * p.element_size() for p in self._params)
+
+    def install(self) -> Callable[[], None]:
+        self._hook_all()
+        return self.remove
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _hook_all(self) -> None:
+        self.remove()
+        self.watched = None
+        self._order = []
+        self._handles = [p.register_post_accumulate_grad_hook(self._hook(i))
+                         for i, p in enumerate(self._params)]
+
+    def _hook(self, index: int) -> Callable[[Any], None]:
+        def on_grad(param: Any) -> None:
+            try:
+                if self.watched is None:
+                    self._order.append(index)
+                self._fired = True
+                self._timer.grad_ready()
+                if not self._queued:
+                    self._queued = True
+                    self._queue(self._requeue)
+            except Exception as exc:
+                self._on_error("ddp_timing", exc)
+
+        return on_grad
+
+    def _requeue(self) -> None:
+        # Queued from a gradient hook, which may run before DDP queued its own final callback;
+        # queued again from here, it runs after every callback queued so far, DDP's included.
+        try:
+            self._queue(self._after_backward)
+        except Exception as exc:
+            self._queued = False
+            self._on_error("ddp_timing", exc)
+
+    def _after_backward(self) -> None:
+        self._queued = False
+        try:
+            window = self._timer.backward_end()
+            if self.watched is None and self._order:
+                self._keep(self._order[-1])
+            if window is not None:
+                self._on_window(*window)
+        except Exception as exc:
+            self._on_error("ddp_timing", exc)
+
+    def _keep(self, index: int) -> None:
+        """After the first backward, only the last-ready parameter stays hooked."""
+        self.remove()
+        self.watched = index
+        self._handles = [self._params[index].register_post_accumulate_grad_hook(self._hook(index))]
+
+    def step_end(self) -> None:
+        """A step whose backward never fired the watched hook (the graph changed): hook all again."""
+        if self.watched is not None and not self._fired:
+            self._hook_all()
+        self._fired = False

@@ -1,0 +1,78 @@
+"""scripts/gpu-check: its verdict logic here, the checks themselves where a GPU exists."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import gpu_check  # noqa: E402
+from gpu_check import Verdict, compare_nvml, exit_code, judge_events, parse_smi, table  # noqa: E402
+
+SMI = """0, 81234, 41, 312.50
+1, 0, 38, [N/A]
+"""
+
+
+def test_nvidia_smi_csv_is_parsed_in_base_units() -> None:
+    parsed = parse_smi(SMI + "garbage line\n")
+    assert parsed[0] == {"memory_bytes": 81234 * 2**20, "celsius": 41.0, "watts": 312.5}
+    assert parsed[1] == {"memory_bytes": 0.0, "celsius": 38.0}  # power not supported
+
+
+def test_nvml_agreeing_with_smi_passes_and_a_wrong_value_fails() -> None:
+    smi = parse_smi(SMI)
+    close = {0: {"memory_bytes": 81234 * 2**20 + 2**20, "celsius": 42.0, "watts": 300.0},
+             1: {"memory_bytes": 0.0, "celsius": 38.0}}
+    assert compare_nvml(close, smi).verdict == "PASS"
+    wrong = {0: {**close[0], "celsius": 60.0}, 1: close[1]}
+    verdict = compare_nvml(wrong, smi)
+    assert verdict.verdict == "FAIL" and "gpu 0 celsius" in verdict.detail
+    assert compare_nvml({0: close[0]}, smi).detail == "gpu 1: missing from the collector"
+
+
+def test_event_timing_must_include_the_slow_kernel() -> None:
+    assert judge_events(0.0105, slow=0.010, base=0.0004, wall_step=0.0104).verdict == "PASS"
+    # a host-clock-like figure that missed the kernel
+    assert judge_events(0.0004, slow=0.010, base=0.0004, wall_step=0.0104).verdict == "FAIL"
+
+
+def test_verdicts_make_a_table_and_an_exit_status() -> None:
+    passed, failed = Verdict("a", "PASS", "x"), Verdict("b", "FAIL", "y")
+    assert table([passed, failed]).splitlines()[2:] == ["| a | PASS | x |", "| b | FAIL | y |"]
+    assert exit_code([passed]) == 0 and exit_code([passed, failed]) == 1
+    assert exit_code([Verdict("c", "SKIP", "no GPU")]) == 2
+
+
+def test_a_failing_check_is_a_verdict_not_a_crash() -> None:
+    """Each check runs in a child process; an exception there comes back as FAIL with its
+    message (here: NVML or nvidia-smi missing, or a GPU that answers and passes)."""
+    verdict = gpu_check.run_one("nvml")
+    assert verdict.check == "nvml"
+    if gpu_check.no_gpu_reason():
+        assert verdict.verdict == "FAIL" and verdict.detail
+
+
+def test_without_a_gpu_the_script_says_so_and_exits_2() -> None:
+    if not gpu_check.no_gpu_reason():
+        pytest.skip("a GPU is present: the real checks run in test_every_check_passes_on_a_gpu")
+    done = subprocess.run([str(ROOT / "scripts" / "gpu-check")], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2
+    assert "no GPU" in done.stderr and "Traceback" not in done.stderr + done.stdout
+    assert done.stdout.count("| SKIP |") == 4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("check", gpu_check.CHECKS)
+def test_every_check_passes_on_a_gpu(check: str) -> None:
+    missing = gpu_check.no_gpu_reason()
+    if missing:
+        pytest.skip(missing)
+    verdict = gpu_check.run_one(check)
+    assert verdict.verdict == "PASS", verdict.detail

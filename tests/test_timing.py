@@ -1,0 +1,170 @@
+"""The timing boundary in one process: DDP's two points on a real 1-rank gloo DDP model, and the
+CUDA-event source faked at `torch.cuda.Event` (no GPU here; tests/gpu_sim.py proves the logic)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import robust_metrics
+from robust_metrics.hooks import timing
+from robust_metrics.hooks.timing import CudaEvents, HostClock, StepTimer
+from tests.test_hook import value
+
+
+@pytest.fixture(scope="module")
+def gloo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    store = tmp_path_factory.mktemp("pg") / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def ddp_model() -> tuple[DDP, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    model = DDP(net)
+    return model, torch.optim.SGD(model.parameters(), lr=0.01)
+
+
+def step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    model(torch.randn(4, 8)).pow(2).mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def test_ddp_keeps_its_own_all_reduce_and_one_parameter_stays_hooked(gloo: None) -> None:
+    model, optimizer = ddp_model()
+    with robust_metrics.watch(model, optimizer, backend="null", run="t") as handle:
+        for _ in range(3):
+            step(model, optimizer)
+        probe = handle._ddp_probe
+        assert probe.watched == 0  # the first layer's weight: its gradient is ready last
+        assert len(probe._handles) == 1
+        assert value(handle, "robust_step_compute_seconds_count") == 3
+        assert value(handle, "robust_collective_duration_seconds_count", op="all_reduce",
+                     group="default_pg") == 3  # the reduction of each step
+        assert value(handle, "robust_collective_bytes_total", op="all_reduce",
+                     group="default_pg") == 3 * probe.nbytes
+    assert not model._get_ddp_logging_data().get("comm_hook")  # no Python comm hook
+    assert not probe._handles  # close() removed the gradient hook
+
+
+def test_the_window_ends_after_ddp_waited_for_its_buckets(gloo: None) -> None:
+    """A slow all-reduce (a test comm hook whose future completes 50 ms later) is blocked time:
+    the final callback runs after DDP's own, which waits for the buckets."""
+    model, optimizer = ddp_model()
+
+    def slow_all_reduce(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks annotations
+        future: torch.futures.Future = torch.futures.Future()
+        threading.Timer(0.05, future.set_result, args=(bucket.buffer(),)).start()
+        return future
+
+    model.register_comm_hook(None, slow_all_reduce)
+    with robust_metrics.watch(model, optimizer, backend="null", run="t") as handle:
+        for _ in range(3):
+            step(model, optimizer)
+        duration = value(handle, "robust_step_duration_seconds_sum")
+        compute = value(handle, "robust_step_compute_seconds_sum")
+    assert duration - compute >= 3 * 0.045, (duration, compute)
+    assert compute < duration / 2
+
+
+def test_a_changed_graph_hooks_every_parameter_again(gloo: None) -> None:
+    model, optimizer = ddp_model()
+    with robust_metrics.watch(model, optimizer, backend="null", run="t") as handle:
+        step(model, optimizer)
+        probe = handle._ddp_probe
+        assert probe.watched == 0
+        first = model.module[0]
+        x = torch.randn(4, 8)
+        model.module[2](torch.relu(first(x).detach())).pow(2).mean().backward()  # skips layer 0
+        optimizer.step()
+        optimizer.zero_grad()
+        assert probe.watched is None and len(probe._handles) == 4  # hooked all again
+        step(model, optimizer)
+        assert probe.watched == 0
+
+
+class FakeEvent:
+    """torch.cuda.Event at the library boundary: a device clock that the test advances."""
+
+    device_now = 0.0
+    cursor = 0.0
+    elapsed_calls = 0
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        assert enable_timing
+        self.at: float | None = None
+
+    def record(self, stream: object = None) -> None:
+        self.at = FakeEvent.cursor
+
+    def query(self) -> bool:
+        return self.at is not None and self.at <= FakeEvent.device_now
+
+    def elapsed_time(self, end: FakeEvent) -> float:
+        if not (self.query() and end.query()):  # cudaErrorNotReady: would need a sync
+            raise RuntimeError("elapsed_time on an event the device has not reached")
+        FakeEvent.elapsed_calls += 1
+        return 1000.0 * (end.at - self.at)  # type: ignore[operator]
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> type[FakeEvent]:
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    FakeEvent.device_now, FakeEvent.cursor, FakeEvent.elapsed_calls = 0.0, 0.0, 0
+    return FakeEvent
+
+
+def test_cuda_event_steps_are_read_one_step_late(fake_cuda: type[FakeEvent]) -> None:
+    timer = StepTimer(CudaEvents())
+    results = []
+    for k in range(4):  # each step: 10 ms, of which 3 ms blocked waiting in a collective
+        fake_cuda.cursor = 10.0 * k + 0.004
+        begin = timer.mark()
+        fake_cuda.cursor = 10.0 * k + 0.007
+        timer.blocked(begin)
+        fake_cuda.cursor = 10.0 * (k + 1)
+        fake_cuda.device_now = 10.0 * k  # the device is one step behind the host
+        results.append(timer.step_end(host_seconds=0.001))
+    assert results[0] == [] and all(len(r) == 1 for r in results[1:3])
+    (first,), (second,) = results[1], results[2]
+    assert first == pytest.approx((0.001, 0.001))  # no start mark: host time, blocked clipped
+    assert second == pytest.approx((10.0, 0.003))
+
+
+def test_the_watch_times_cuda_models_with_events(
+        fake_cuda: type[FakeEvent], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The watch picks CUDA events for a CUDA model and publishes a step once its events are
+    reached; this fake device is always one step behind."""
+    monkeypatch.setattr(timing, "source_for", lambda device: CudaEvents())
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with robust_metrics.watch(model, optimizer, backend="null", run="t") as handle:
+        for k in range(4):
+            fake_cuda.cursor = float(k + 1)
+            fake_cuda.device_now = float(k)
+            model(torch.randn(2, 4)).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        assert value(handle, "robust_step_duration_seconds_count") == 3  # the 4th: not reached
+        # steps 1 and 2 from their events (1 s of device time each), step 0 from the host
+        assert 2.0 <= value(handle, "robust_step_duration_seconds_sum") < 2.5
+    assert fake_cuda.elapsed_calls == 2
+
+
+def test_host_clock_blocked_time_is_the_call(tmp_path: Path) -> None:
+    timer = StepTimer(HostClock())
+    begin = timer.mark()
+    time.sleep(0.02)
+    timer.blocked(begin)
+    ((seconds, blocked),) = timer.step_end(host_seconds=0.05)
+    assert seconds == 0.05 and 0.02 <= blocked <= 0.05
