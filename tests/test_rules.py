@@ -157,7 +157,7 @@ def test_the_issue_alerts_all_exist() -> None:
     wanted = {"TrainingHang", "RankHang", "SlowRank", "StragglerSlowdownHigh", "LossSpike",
               "GradNormSpike", "NonFiniteLoss", "NonFiniteGradients", "ThroughputDrop",
               "GPUXidCritical", "GPUEccUncorrectable", "GPURowRemapFailure", "GPUThermalThrottle",
-              "GPULost", "NICLinkDown", "NICFlapping", "SidecarDown", "CheckpointStale"}
+              "GPULost", "NICLinkDown", "NICFlapping", "SidecarDown", "CheckpointStale", "RankExited"}
     assert {a["alert"] for a in ALERTS} == wanted
 
 

@@ -109,6 +109,13 @@ class CollectiveTracker:
             stats.bytes += nbytes
         return time.perf_counter()
 
+    def register_group(self, group: str) -> None:
+        """Publish the group's entered and completed counts at 0 before its first collective, so
+        that a rank which never reaches one is visibly behind its peers (RankHang can name it)."""
+        with self._lock:
+            self.entered.setdefault(group, 0)
+            self.completed.setdefault(group, 0)
+
     def complete(self, op: str, group: str, started: float, *, blocked: bool) -> None:
         done = time.perf_counter()
         self.record_completion(op, group, done - started)

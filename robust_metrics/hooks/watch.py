@@ -9,24 +9,27 @@ is counted in `robust_hook_errors_total{where}`, logged once, and never reaches 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import gc
 import json
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from robust_metrics import schema
-from robust_metrics.hooks.collectives import CollectiveTracker
+from robust_metrics.hooks.collectives import CollectiveTracker, group_label
 from robust_metrics.hooks.config import WatchOptions
 from robust_metrics.hooks.control import ControlChannel
 from robust_metrics.hooks.numerics import (
     DeferredReader,
     LossAccumulator,
+    SpikeDetector,
     grad_norm_tensor,
     is_finite,
 )
@@ -82,6 +85,9 @@ class Watch:
         self._flusher: threading.Thread | None = None
         self._flusher_stop = threading.Event()
         self._phase = "train"
+        self._started = time.time()
+        self._loss_spikes = SpikeDetector(relative=0.1)
+        self._grad_norm_spikes = SpikeDetector(relative=0.5)
         self.tracker = CollectiveTracker(self._error)
         self.control = ControlChannel(
             options.metrics_dir, options.checkpoint_signal if options.checkpoint else None,
@@ -91,6 +97,7 @@ class Watch:
         self._install()
         self._flush(force=True)
         self._start_flusher()
+        atexit.register(self._close_at_exit)
 
     # -- set-up ----------------------------------------------------------------------------
     def _bind_series(self) -> None:
@@ -102,10 +109,12 @@ class Watch:
         self._step_compute = st.series(s.STEP_COMPUTE)
         self._data_wait = st.series(s.DATA_WAIT)
         self._gc_pause = st.series(s.GC_PAUSE)
-        self._loss = st.series(s.LOSS)
-        self._grad_norm = st.series(s.GRAD_NORM)
+        # robust_loss and robust_grad_norm appear with their first real value: a placeholder 0
+        # would be scraped as a loss and drag the spike baselines down.
         self._nonfinite_loss = st.series(s.NONFINITE_LOSS)
         self._nonfinite_grad = st.series(s.NONFINITE_GRAD)
+        self._loss_spike_count = st.series(s.LOSS_SPIKES)
+        self._grad_norm_spike_count = st.series(s.GRAD_NORM_SPIKES)
         self._ckpt_request = st.series(s.CHECKPOINT_REQUEST_ID)
         self._ckpt_ts = st.series(s.LAST_CHECKPOINT_TIMESTAMP)
         self._ckpt_duration = st.series(s.CHECKPOINT_DURATION)
@@ -139,16 +148,22 @@ class Watch:
         return sink
 
     @_guard("identity")
-    def _write_identity(self) -> None:
-        """`ranks/<pid>.json` lets the sidecar map processes to ranks for liveness and stacks."""
+    def _write_identity(self, finished: float | None = None) -> None:
+        """`ranks/<pid>.json` lets the sidecar map processes to ranks for liveness and stacks;
+        `finished` (written by a normal close) tells it that the exit to come is not a crash."""
         o = self.options
         folder = os.path.join(str(o.metrics_dir), "ranks")
         os.makedirs(folder, exist_ok=True)
         path = os.path.join(folder, f"{os.getpid()}.json")
+        if finished is None:
+            self._started = time.time()
+        identity = {"run": o.run, "rank": o.rank, "local_rank": o.local_rank, "pid": os.getpid(),
+                    "node": o.node, "world_size": o.world_size, "topology": o.topology,
+                    "started": self._started}
+        if finished is not None:
+            identity["finished"] = finished
         with open(f"{path}.tmp", "w") as f:
-            json.dump({"run": o.run, "rank": o.rank, "local_rank": o.local_rank, "pid": os.getpid(),
-                       "node": o.node, "world_size": o.world_size, "topology": o.topology,
-                       "started": time.time()}, f)
+            json.dump(identity, f)
         os.replace(f"{path}.tmp", path)
 
     def _cuda_device(self) -> Any:
@@ -195,10 +210,12 @@ class Watch:
         if not (dist.is_available() and dist.is_initialized()):
             return
         pg = dist.distributed_c10d._get_default_group()
+        self.tracker.register_group(group_label(pg))
         if dist.get_backend(pg) == "nccl":
             self.tracker.attach_nccl_completion_hook(pg)
         ddp = torch_ddp_class()
         if ddp is not None and isinstance(self.model, ddp):
+            self.tracker.register_group(group_label(self.model.process_group))
             try:
                 self.model.register_comm_hook(None, self.tracker.ddp_comm_hook(
                     self.model.process_group))
@@ -298,14 +315,18 @@ class Watch:
                 self._record_grad_norm(float(norm))
 
     def _record_loss(self, value: float) -> None:
-        self._loss.set(value)
+        self.store.series(schema.LOSS, initial=value).set(value)
         if not is_finite(value):
             self._nonfinite_loss.inc()
+        elif self._loss_spikes.update(value):
+            self._loss_spike_count.inc()
 
     def _record_grad_norm(self, value: float) -> None:
-        self._grad_norm.set(value)
+        self.store.series(schema.GRAD_NORM, initial=value).set(value)
         if not is_finite(value):
             self._nonfinite_grad.inc()
+        elif self._grad_norm_spikes.update(value):
+            self._grad_norm_spike_count.inc()
 
     def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
         if phase == "start":
@@ -387,11 +408,23 @@ class Watch:
         self._global_step.set(step)
 
     def close(self) -> None:
-        """Remove every hook and patch, publish the last values, release the sink."""
+        """Remove every hook and patch, publish the last values and that this rank finished
+        normally (its exit is then no crash), release the sink."""
+        self._close(finished=True)
+
+    def _close_at_exit(self) -> None:
+        """At interpreter exit without close(): finished unless an exception ended the program
+        (the interpreter keeps it in sys.last_value before running exit handlers)."""
+        crashed = getattr(sys, "last_value", None) is not None
+        self._close(finished=not crashed)
+
+    def _close(self, finished: bool) -> None:
         global _active
         if self._closed:
             return
         self._closed = True
+        with contextlib.suppress(Exception):
+            atexit.unregister(self._close_at_exit)
         for handle in self._handles:
             with contextlib.suppress(Exception):
                 handle.remove()
@@ -407,6 +440,8 @@ class Watch:
                 self.sink.close(self.store)
         except Exception as exc:
             self._error("sink", exc)
+        if finished and self.options.backend == "multiprocess" and not isinstance(self.sink, NullSink):
+            self._write_identity(finished=time.time())
         with _active_lock:
             if _active is self:
                 _active = None
@@ -414,11 +449,16 @@ class Watch:
     def __enter__(self) -> Watch:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        # An exception leaving the `with` block is a crash, not a normal end.
+        self._close(finished=exc_type is None)
 
     # -- internals -------------------------------------------------------------------------
     def _set_phase(self, name: str) -> None:
+        if name == "train" and self._phase != "train":
+            # Progress resumes now: the fresh timestamp is written before the phase flips, so no
+            # scrape sees `train` with the age of the last step before the phase (a false hang).
+            self._last_step_ts.set(time.time())
         self._phase = name
         for phase, series in self._phases.items():
             series.set(1.0 if phase == name else 0.0)

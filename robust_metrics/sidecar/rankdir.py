@@ -70,6 +70,7 @@ class RankIdentity:
     node: str = ""
     world_size: str = ""
     started: float | None = None
+    finished: float | None = None  # written by the hook at a normal end; its exit is no crash
 
 
 @dataclass
@@ -400,12 +401,13 @@ class RankFolder:
         try:
             with open(path) as f:
                 data = json.load(f)
-            started = data.get("started")
+            started, finished = data.get("started"), data.get("finished")
             return RankIdentity(
                 pid=pid, run=str(data["run"]), rank=str(data["rank"]),
                 local_rank=str(data.get("local_rank", "")), node=str(data.get("node", "")),
                 world_size=str(data.get("world_size", "")),
-                started=float(started) if started is not None else None)
+                started=float(started) if started is not None else None,
+                finished=float(finished) if finished is not None else None)
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             log.warning("skipping unreadable rank identity %s: %s", path, exc)
             return None
