@@ -157,7 +157,8 @@ def test_the_issue_alerts_all_exist() -> None:
     wanted = {"TrainingHang", "RankHang", "SlowRank", "StragglerSlowdownHigh", "LossSpike",
               "GradNormSpike", "NonFiniteLoss", "NonFiniteGradients", "ThroughputDrop",
               "GPUXidCritical", "GPUEccUncorrectable", "GPURowRemapFailure", "GPUThermalThrottle",
-              "GPULost", "NICLinkDown", "NICFlapping", "SidecarDown", "CheckpointStale", "RankExited"}
+              "GPULost", "NICLinkDown", "NICFlapping", "SidecarDown", "CheckpointStale", "RankExited",
+              "LossRise", "GradNormRise"}
     assert {a["alert"] for a in ALERTS} == wanted
 
 
