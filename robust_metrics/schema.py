@@ -169,12 +169,13 @@ NONFINITE_GRAD = _declare(
 LOSS_SPIKES = _declare(
     "robust_loss_spikes_total", C,
     "Steps whose loss exceeded this rank's running mean by 6 standard deviations plus 10% "
-    "(after a warmup of 50 steps); counted by the hook at every step, so a spike of one step counts.",
+    "(after a warmup of 50 steps); counted by the hook at every step, so a spike of one step counts. "
+    "Appears at the first spike.",
 )
 GRAD_NORM_SPIKES = _declare(
     "robust_grad_norm_spikes_total", C,
     "Steps whose gradient norm exceeded this rank's running mean by 6 standard deviations plus "
-    "50% (after a warmup of 50 steps).",
+    "50% (after a warmup of 50 steps). Appears at the first spike.",
 )
 
 # --- rank: collectives ----------------------------------------------------------------------
@@ -276,13 +277,14 @@ RANK_PROCESS_RSS = _declare(
 )
 RANK_PROCESS_STOPPED = _declare(
     "robust_rank_process_stopped", G,
-    "1 while the rank's process is stopped (state T, e.g. SIGSTOP) or traced (state t), else 0.",
+    "1 while the rank's process is stopped (state T, e.g. SIGSTOP) or traced (state t); absent "
+    "otherwise.",
     source=SIDECAR,
 )
 RANK_FINISHED = _declare(
     "robust_rank_finished", G,
     "1 once the rank's process ended normally (close() or interpreter exit without an uncaught "
-    "exception), else 0. Kept while the sidecar knows the process.", source=SIDECAR,
+    "exception), kept while the sidecar knows the process; absent before.", source=SIDECAR,
 )
 RANK_EXIT_TIMESTAMP = _declare(
     "robust_rank_exit_timestamp_seconds", G,

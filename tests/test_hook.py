@@ -381,13 +381,15 @@ def test_a_short_loss_spike_is_counted_at_every_step(watched: tuple) -> None:  #
     model, optimizer = watched[0], watched[1]
     scale = {"factor": 1.0}
     for step in range(150):
+        if step == 99:
+            with pytest.raises(KeyError):  # no spike yet: no series
+                value(handle, "robust_loss_spikes_total")
         scale["factor"] = 30.0 if 100 <= step < 105 else 1.0
         loss = model(torch.randn(16, 8)).pow(2).mean() * scale["factor"]
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
     assert value(handle, "robust_loss_spikes_total") == 5
-    assert value(handle, "robust_grad_norm_spikes_total") == 0
 
 
 def test_spike_detector_warms_up_and_accepts_a_new_level() -> None:

@@ -113,8 +113,6 @@ class Watch:
         # would be scraped as a loss and drag the spike baselines down.
         self._nonfinite_loss = st.series(s.NONFINITE_LOSS)
         self._nonfinite_grad = st.series(s.NONFINITE_GRAD)
-        self._loss_spike_count = st.series(s.LOSS_SPIKES)
-        self._grad_norm_spike_count = st.series(s.GRAD_NORM_SPIKES)
         self._ckpt_request = st.series(s.CHECKPOINT_REQUEST_ID)
         self._ckpt_ts = st.series(s.LAST_CHECKPOINT_TIMESTAMP)
         self._ckpt_duration = st.series(s.CHECKPOINT_DURATION)
@@ -318,15 +316,15 @@ class Watch:
         self.store.series(schema.LOSS, initial=value).set(value)
         if not is_finite(value):
             self._nonfinite_loss.inc()
-        elif self._loss_spikes.update(value):
-            self._loss_spike_count.inc()
+        elif self._loss_spikes.update(value):  # created at the first spike: no series budget
+            self.store.series(schema.LOSS_SPIKES).inc()
 
     def _record_grad_norm(self, value: float) -> None:
         self.store.series(schema.GRAD_NORM, initial=value).set(value)
         if not is_finite(value):
             self._nonfinite_grad.inc()
         elif self._grad_norm_spikes.update(value):
-            self._grad_norm_spike_count.inc()
+            self.store.series(schema.GRAD_NORM_SPIKES).inc()
 
     def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
         if phase == "start":

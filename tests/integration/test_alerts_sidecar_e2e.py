@@ -151,3 +151,21 @@ def test_a_rank_stopped_inside_a_collective_is_named_alone(stack: dict[str, Any]
             assert names(prom, run, "RankHang") == {str(stopped)}, alerts(prom, run)
         finally:
             os.kill(job.pids[stopped], signal.SIGCONT)
+
+
+@pytest.mark.parametrize("where", ["backward"])
+def test_a_1_3x_straggler_is_named_by_its_compute_time(stack: dict[str, Any], where: str) -> None:
+    """Under DDP a rank slow in backward delays its peers' bucket all-reduces: their blocked time
+    grows, its own does not, so its compute time (step minus blocked) still names it."""
+    prom, run, slow = stack["prom"], f"slow-{where}", 1
+    with start_job(stack, run, ["--compute", "0.1", "--slow-rank", str(slow), "--slow-factor",
+                                "1.3", "--slow-where", where]) as job:
+        wait_steps(prom, run, job, steps=5)
+        t0 = time.monotonic()
+        fired = wait_firing(prom, run, "SlowRank", 60, job)
+        print(f"\n1.3x {where} straggler: SlowRank {time.monotonic() - t0:.1f}s after 5 steps "
+              f"(formula at 1/15 scale: (60 x 0.2 / 0.3 + 30 + 15 + 15) / 15 = 6.7 s)")
+        assert fired["labels"]["rank"] == str(slow), fired
+        assert float(fired["value"]) > 1.2
+        time.sleep(2)
+        assert names(prom, run, "SlowRank") == {str(slow)}, alerts(prom, run)

@@ -166,12 +166,14 @@ class ProcessCollector:
                 except psutil.AccessDenied:
                     pass
             alive_f.add_metric(labels, 1.0 if alive else 0.0)
-            finished_f.add_metric(labels, 1.0 if ident.finished else 0.0)
+            if ident.finished:  # present only when true: no series for healthy ranks
+                finished_f.add_metric(labels, 1.0)
             if not alive:
                 exit_f.add_metric(labels, self.exits.exited(ident.pid, now))
                 continue
             self.exits.watch(ident.pid)
-            stopped_f.add_metric(labels, 1.0 if status in _STOPPED else 0.0)
+            if status in _STOPPED:
+                stopped_f.add_metric(labels, 1.0)
             if times is not None:
                 cpu_f.add_metric(labels, times.user + times.system)
                 rss_f.add_metric(labels, float(rss))
