@@ -126,7 +126,9 @@ C, G, S, H = MetricType.COUNTER, MetricType.GAUGE, MetricType.SUMMARY, MetricTyp
 STEPS_TOTAL = _declare("robust_steps_total", C, "Optimizer steps completed by this rank process.")
 LAST_STEP_TIMESTAMP = _declare(
     "robust_last_step_timestamp_seconds", G,
-    "Unix time at which this rank last completed an optimizer step.", unit="seconds",
+    "Unix time at which this rank last completed an optimizer step or returned to training from "
+    "eval or checkpoint (published with the phase change, so leaving a phase is never a hang).",
+    unit="seconds",
 )
 GLOBAL_STEP = _declare(
     "robust_global_step", G,
@@ -163,6 +165,17 @@ NONFINITE_LOSS = _declare(
 )
 NONFINITE_GRAD = _declare(
     "robust_nonfinite_grad_steps_total", C, "Steps whose gradient norm was NaN or infinite."
+)
+LOSS_SPIKES = _declare(
+    "robust_loss_spikes_total", C,
+    "Steps whose loss exceeded this rank's running mean by 6 standard deviations plus 10% "
+    "(after a warmup of 50 steps); counted by the hook at every step, so a spike of one step counts. "
+    "Appears at the first spike.",
+)
+GRAD_NORM_SPIKES = _declare(
+    "robust_grad_norm_spikes_total", C,
+    "Steps whose gradient norm exceeded this rank's running mean by 6 standard deviations plus "
+    "50% (after a warmup of 50 steps). Appears at the first spike.",
 )
 
 # --- rank: collectives ----------------------------------------------------------------------
@@ -261,6 +274,22 @@ RANK_PROCESS_CPU = _declare(
 RANK_PROCESS_RSS = _declare(
     "robust_rank_process_resident_memory_bytes", G, "Resident memory of the rank's process.",
     source=SIDECAR, unit="bytes",
+)
+RANK_PROCESS_STOPPED = _declare(
+    "robust_rank_process_stopped", G,
+    "1 while the rank's process is stopped (state T, e.g. SIGSTOP) or traced (state t); absent "
+    "otherwise.",
+    source=SIDECAR,
+)
+RANK_FINISHED = _declare(
+    "robust_rank_finished", G,
+    "1 once the rank's process ended normally (close() or interpreter exit without an uncaught "
+    "exception), kept while the sidecar knows the process; absent before.", source=SIDECAR,
+)
+RANK_EXIT_TIMESTAMP = _declare(
+    "robust_rank_exit_timestamp_seconds", G,
+    "Unix time at which the sidecar saw the rank's process exit (only for exited processes); "
+    "the earliest exit of a run names the rank that failed first.", source=SIDECAR, unit="seconds",
 )
 RANK_STEP_AGE = _declare(
     "robust_rank_step_age_seconds", G,

@@ -348,3 +348,78 @@ def test_time_in_eval_is_not_part_of_the_next_step(watched: tuple) -> None:  # t
         time.sleep(0.3)
     train(watched[0], watched[1], 1)
     assert value(handle, "robust_step_duration_seconds_sum") - before < 0.25
+
+
+def test_leaving_a_phase_publishes_a_fresh_step_timestamp_with_it(watched: tuple) -> None:  # type: ignore[type-arg]
+    handle = start(watched)
+    train(watched[0], watched[1], 1)
+    with handle.phase("checkpoint"):
+        time.sleep(0.3)
+        stale = value(handle, "robust_last_step_timestamp_seconds")
+        assert time.time() - stale >= 0.3
+    left = time.time()
+    assert value(handle, "robust_phase", phase="train") == 1
+    assert left - value(handle, "robust_last_step_timestamp_seconds") < 0.1
+    # the timestamp is written before the phase flips: its series was created first, and the
+    # multiprocess writer and the /metrics collector both write in creation order
+    names = [s.name for s in handle.store.samples()]
+    assert names.index("robust_last_step_timestamp_seconds") < names.index("robust_phase")
+
+
+def test_no_loss_or_grad_norm_sample_before_the_first_value(watched: tuple) -> None:  # type: ignore[type-arg]
+    handle = start(watched)
+    for name in ("robust_loss", "robust_grad_norm"):
+        with pytest.raises(KeyError):
+            value(handle, name)
+    losses = train(watched[0], watched[1], 1)
+    assert value(handle, "robust_loss") == pytest.approx(losses[0], rel=1e-5)
+    assert value(handle, "robust_grad_norm") > 0
+
+
+def test_a_short_loss_spike_is_counted_at_every_step(watched: tuple) -> None:  # type: ignore[type-arg]
+    handle = start(watched, grad_norm=False)
+    model, optimizer = watched[0], watched[1]
+    scale = {"factor": 1.0}
+    for step in range(150):
+        if step == 99:
+            with pytest.raises(KeyError):  # no spike yet: no series
+                value(handle, "robust_loss_spikes_total")
+        scale["factor"] = 30.0 if 100 <= step < 105 else 1.0
+        loss = model(torch.randn(16, 8)).pow(2).mean() * scale["factor"]
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert value(handle, "robust_loss_spikes_total") == 5
+
+
+def test_spike_detector_warms_up_and_accepts_a_new_level() -> None:
+    from robust_metrics.hooks.numerics import SpikeDetector
+
+    detector = SpikeDetector(warmup=10, accept_after=5)
+    assert not any(detector.update(v) for v in [1.0, 1.1] * 5)  # warmup
+    assert detector.update(30.0)
+    assert not detector.update(1.0)
+    assert [detector.update(5.0) for _ in range(5)] == [True] * 5  # a new level: accepted...
+    assert not detector.update(5.0)  # ...and warming up again
+    assert not detector.update(float("nan"))
+
+
+def test_close_marks_the_identity_finished_and_an_exception_does_not(
+        watched: tuple, tmp_path: Path) -> None:  # type: ignore[type-arg]
+    import json
+
+    from robust_metrics.hooks import watch as watch_module
+
+    identity = tmp_path / "ranks" / f"{os.getpid()}.json"
+    handle = start(watched, backend="multiprocess", metrics_dir=str(tmp_path))
+    assert "finished" not in json.loads(identity.read_text())
+    with pytest.raises(RuntimeError), handle:
+        raise RuntimeError("a crash inside the with block")
+    assert "finished" not in json.loads(identity.read_text())
+
+    second = tmp_path / "second"
+    handle = start(watched, backend="multiprocess", metrics_dir=str(second))
+    handle.close()
+    data = json.loads((second / "ranks" / f"{os.getpid()}.json").read_text())
+    assert time.time() - data["finished"] < 5
+    assert watch_module._active is None

@@ -157,7 +157,8 @@ def test_the_issue_alerts_all_exist() -> None:
     wanted = {"TrainingHang", "RankHang", "SlowRank", "StragglerSlowdownHigh", "LossSpike",
               "GradNormSpike", "NonFiniteLoss", "NonFiniteGradients", "ThroughputDrop",
               "GPUXidCritical", "GPUEccUncorrectable", "GPURowRemapFailure", "GPUThermalThrottle",
-              "GPULost", "NICLinkDown", "NICFlapping", "SidecarDown", "CheckpointStale"}
+              "GPULost", "NICLinkDown", "NICFlapping", "SidecarDown", "CheckpointStale", "RankExited",
+              "LossRise", "GradNormRise"}
     assert {a["alert"] for a in ALERTS} == wanted
 
 
@@ -219,8 +220,8 @@ def test_scale_expr_scales_ranges_offsets_subqueries_and_marked_constants() -> N
 def test_time_scale_changes_for_and_windows_but_not_ratios() -> None:
     fast = {r.get("alert") or r.get("record"): r for g in rules.load_groups(time_scale=1 / 15)
             for r in g["rules"]}
-    assert fast["SlowRank"]["for"] == "20s"
-    assert "1.25" in fast["SlowRank"]["expr"]
+    assert fast["SlowRank"]["for"] == "2s"
+    assert "1.2\n" in fast["SlowRank"]["expr"] and "[4s]" in fast["SlowRank"]["expr"]
     assert "[20s]" in fast["run_rank:robust_step_duration_seconds:mean5m"]["expr"]
     assert "2  # seconds" in fast["run:robust_step_duration_seconds:hang_threshold"]["expr"]
     assert "for" not in fast["TrainingHang"]

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import signal
 import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -383,3 +386,45 @@ def test_concurrent_scrapes_share_one_run_of_a_collector() -> None:
         assert slow.calls == 1
     finally:
         scrape.close()
+
+
+def test_process_collector_sees_stop_normal_end_and_exit_time(tmp_path: Path) -> None:
+    """Three real processes play ranks: one stopped with SIGSTOP, one that finished normally and
+    exited, one killed with SIGKILL. The exit time comes from the kernel's pidfd report, not the
+    scrape that notices it."""
+    procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+             for _ in range(3)]
+    try:
+        (tmp_path / "ranks").mkdir()
+        for rank, proc in enumerate(procs):
+            identity = {"run": "r", "rank": rank, "pid": proc.pid, "started": time.time()}
+            if rank == 1:
+                identity["finished"] = time.time()  # what close() writes
+            (tmp_path / "ranks" / f"{proc.pid}.json").write_text(json.dumps(identity))
+        folder = RankFolder(str(tmp_path), cache_seconds=0)
+        collector = ProcessCollector(folder)
+        registry = registry_of(process=collector)
+        assert sample(registry, "robust_rank_process_stopped", run="r", rank="0") is None
+        os.kill(procs[0].pid, signal.SIGSTOP)
+        wait_until(lambda: sample(registry, "robust_rank_process_stopped", run="r", rank="0") == 1,
+                   timeout=5, message="stopped rank seen in state T")
+        assert sample(registry, "robust_rank_finished", run="r", rank="0") is None
+        assert sample(registry, "robust_rank_finished", run="r", rank="1") == 1
+        assert sample(registry, "robust_rank_step_age_seconds", run="r", rank="1") is None
+
+        procs[2].kill()
+        killed_at = time.time()
+        procs[2].wait()
+        time.sleep(1.0)  # the next scrape comes a second later
+        exited = sample(registry, "robust_rank_exit_timestamp_seconds", run="r", rank="2")
+        assert exited is not None and abs(exited - killed_at) < 0.5, (exited, killed_at)
+        assert sample(registry, "robust_rank_process_alive", run="r", rank="2") == 0
+        assert sample(registry, "robust_rank_exit_timestamp_seconds", run="r", rank="0") is None
+        collector.exits.close()
+        folder.close()
+    finally:
+        for proc in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGCONT)
+            proc.kill()
+            proc.wait()

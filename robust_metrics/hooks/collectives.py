@@ -120,6 +120,7 @@ class CollectiveTracker:
         if not dist.is_initialized():
             return
         pg = group if group is not None else dist.distributed_c10d._get_default_group()
+        self.register_group(group_label(pg))
         if dist.get_backend(pg) == "nccl" and group_label(pg) not in self._groups_timed_by_hook:
             try:
                 self.attach_nccl_completion_hook(pg)
@@ -137,6 +138,13 @@ class CollectiveTracker:
                 stats = self.stats[(op, group)] = _Stats()
             stats.bytes += nbytes
         return time.perf_counter()
+
+    def register_group(self, group: str) -> None:
+        """Publish the group's entered and completed counts at 0 before its first collective, so
+        that a rank which never reaches one is visibly behind its peers (RankHang can name it)."""
+        with self._lock:
+            self.entered.setdefault(group, 0)
+            self.completed.setdefault(group, 0)
 
     def complete(self, op: str, group: str, started: float) -> None:
         """A host-observed completion: right on gloo, an enqueue on NCCL (then ignored)."""

@@ -12,7 +12,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["DeferredReader", "LossAccumulator", "grad_norm_tensor"]
+__all__ = ["DeferredReader", "LossAccumulator", "SpikeDetector", "grad_norm_tensor"]
 
 
 class DeferredReader:
@@ -67,6 +67,53 @@ class LossAccumulator:
         self._sums.clear()
         self._counts = {True: 0, False: 0}
         return result
+
+
+class SpikeDetector:
+    """Says whether a value is a spike against the running statistics of earlier values.
+
+    Rules evaluated every 15 s see a few-step spike at most once, averaged over ranks; the hook sees
+    every step. Each finite value is compared with an exponential moving mean and variance over about
+    `window` steps: a spike exceeds `mean + sigmas x std + relative x |mean|`. Nothing counts during
+    the first `warmup` values of the process (the early loss falls fast, and a restarted process
+    starts afresh). Spikes are kept out of the statistics so that a spike of a few steps does not
+    raise its own bar; after `accept_after` spikes in a row the new level is accepted (statistics
+    restart, with a new warmup). Constant work per step: a few float operations.
+    """
+
+    def __init__(self, *, sigmas: float = 6.0, relative: float = 0.1, window: int = 100,
+                 warmup: int = 50, accept_after: int = 20) -> None:
+        self.sigmas, self.relative = sigmas, relative
+        self.alpha = 2.0 / (window + 1)
+        self.warmup, self.accept_after = warmup, accept_after
+        self._reset()
+
+    def _reset(self) -> None:
+        self.seen = 0
+        self.mean = 0.0
+        self.var = 0.0
+        self.in_a_row = 0
+
+    def update(self, value: float) -> bool:
+        """Fold `value` in; True when it is a spike."""
+        if not is_finite(value):
+            return False
+        if self.seen >= self.warmup:
+            bar = self.mean + self.sigmas * math.sqrt(self.var) + self.relative * abs(self.mean)
+            if value > bar:
+                self.in_a_row += 1
+                if self.in_a_row >= self.accept_after:
+                    self._reset()
+                return True
+        self.in_a_row = 0
+        if self.seen == 0:
+            self.mean = value
+        else:
+            delta = value - self.mean
+            self.mean += self.alpha * delta
+            self.var = (1.0 - self.alpha) * (self.var + self.alpha * delta * delta)
+        self.seen += 1
+        return False
 
 
 def grad_norm_tensor(parameters: list[Any]) -> Any | None:

@@ -64,8 +64,9 @@ class MetricStore:
         """Run `refresh` before every read, for values kept elsewhere (collective stats)."""
         self._refreshers.append(refresh)
 
-    def series(self, spec: MetricSpec, **extra: str) -> Series:
-        """The series of `spec` for this rank plus `extra` labels (get or create)."""
+    def series(self, spec: MetricSpec, *, initial: float = 0.0, **extra: str) -> Series:
+        """The series of `spec` for this rank plus `extra` labels (get or create). A new series
+        starts at `initial`, so a writer flushing concurrently never sees a placeholder 0."""
         values = tuple(
             str(extra[name]) if name in extra else self.base_labels.get(name, "")
             for name in spec.labels
@@ -74,7 +75,7 @@ class MetricStore:
         found = self._series.get(key)
         if found is None:
             with self._lock:
-                found = self._series.setdefault(key, Series(spec, values))
+                found = self._series.setdefault(key, Series(spec, values, value=initial))
         return found
 
     def all_series(self) -> list[Series]:

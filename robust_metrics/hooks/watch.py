@@ -9,22 +9,25 @@ is counted in `robust_hook_errors_total{where}`, logged once, and never reaches 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import gc
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from robust_metrics import schema
-from robust_metrics.hooks.collectives import CollectiveTracker
+from robust_metrics.hooks.collectives import CollectiveTracker, group_label
 from robust_metrics.hooks.config import WatchOptions
 from robust_metrics.hooks.numerics import (
     DeferredReader,
     LossAccumulator,
+    SpikeDetector,
     grad_norm_tensor,
     is_finite,
 )
@@ -82,6 +85,9 @@ class Watch:
         self._flusher: threading.Thread | None = None
         self._flusher_stop = threading.Event()
         self._phase = "train"
+        self._started = time.time()
+        self._loss_spikes = SpikeDetector(relative=0.1)
+        self._grad_norm_spikes = SpikeDetector(relative=0.5)
         self.tracker = CollectiveTracker(self._error)
         self._ddp_probe: Any = None
         self.control = ControlChannel(
@@ -92,6 +98,7 @@ class Watch:
         self._install()
         self._flush(force=True)
         self._start_flusher()
+        atexit.register(self._close_at_exit)
 
     # -- set-up ----------------------------------------------------------------------------
     def _bind_series(self) -> None:
@@ -103,8 +110,8 @@ class Watch:
         self._step_compute = st.series(s.STEP_COMPUTE)
         self._data_wait = st.series(s.DATA_WAIT)
         self._gc_pause = st.series(s.GC_PAUSE)
-        self._loss = st.series(s.LOSS)
-        self._grad_norm = st.series(s.GRAD_NORM)
+        # robust_loss and robust_grad_norm appear with their first real value: a placeholder 0
+        # would be scraped as a loss and drag the spike baselines down.
         self._nonfinite_loss = st.series(s.NONFINITE_LOSS)
         self._nonfinite_grad = st.series(s.NONFINITE_GRAD)
         self._ckpt_request = st.series(s.CHECKPOINT_REQUEST_ID)
@@ -141,11 +148,13 @@ class Watch:
         return sink
 
     @_guard("identity")
-    def _write_identity(self) -> None:
-        """`ranks/<pid>.json` lets the sidecar map processes to ranks for liveness and stacks."""
+    def _write_identity(self, finished: float | None = None) -> None:
+        """`ranks/<pid>.json` lets the sidecar map processes to ranks for liveness and stacks;
+        `finished` (written by a normal close) tells it that the exit to come is not a crash."""
         o = self.options
         write_identity(str(o.metrics_dir), run=o.run, rank=o.rank, local_rank=o.local_rank,
-                       node=o.node, world_size=o.world_size, topology=o.topology)
+                       node=o.node, world_size=o.world_size, topology=o.topology,
+                       started=self._started, finished=finished)
 
     def _cuda_device(self) -> Any:
         with contextlib.suppress(Exception):
@@ -200,7 +209,6 @@ class Watch:
 
     def _install_ddp_probe(self) -> None:
         """DDP keeps its C++ all-reduce; its exposed tail is timed from two points per step."""
-        from robust_metrics.hooks.collectives import group_label
         from robust_metrics.hooks.timing import DdpProbe
 
         tracker, group = self.tracker, group_label(self.model.process_group)
@@ -312,14 +320,18 @@ class Watch:
                 self._record_grad_norm(float(norm))
 
     def _record_loss(self, value: float) -> None:
-        self._loss.set(value)
+        self.store.series(schema.LOSS, initial=value).set(value)
         if not is_finite(value):
             self._nonfinite_loss.inc()
+        elif self._loss_spikes.update(value):  # created at the first spike: no series budget
+            self.store.series(schema.LOSS_SPIKES).inc()
 
     def _record_grad_norm(self, value: float) -> None:
-        self._grad_norm.set(value)
+        self.store.series(schema.GRAD_NORM, initial=value).set(value)
         if not is_finite(value):
             self._nonfinite_grad.inc()
+        elif self._grad_norm_spikes.update(value):
+            self.store.series(schema.GRAD_NORM_SPIKES).inc()
 
     def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
         if phase == "start":
@@ -402,11 +414,23 @@ class Watch:
         self._global_step.set(step)
 
     def close(self) -> None:
-        """Remove every hook and patch, publish the last values, release the sink."""
+        """Remove every hook and patch, publish the last values and that this rank finished
+        normally (its exit is then no crash), release the sink."""
+        self._close(finished=True)
+
+    def _close_at_exit(self) -> None:
+        """At interpreter exit without close(): finished unless an exception ended the program
+        (the interpreter keeps it in sys.last_value before running exit handlers)."""
+        crashed = getattr(sys, "last_value", None) is not None
+        self._close(finished=not crashed)
+
+    def _close(self, finished: bool) -> None:
         global _active
         if self._closed:
             return
         self._closed = True
+        with contextlib.suppress(Exception):
+            atexit.unregister(self._close_at_exit)
         for handle in self._handles:
             with contextlib.suppress(Exception):
                 handle.remove()
@@ -422,6 +446,8 @@ class Watch:
                 self.sink.close(self.store)
         except Exception as exc:
             self._error("sink", exc)
+        if finished and self.options.backend == "multiprocess" and not isinstance(self.sink, NullSink):
+            self._write_identity(finished=time.time())
         with _active_lock:
             if _active is self:
                 _active = None
@@ -429,11 +455,16 @@ class Watch:
     def __enter__(self) -> Watch:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        # An exception leaving the `with` block is a crash, not a normal end.
+        self._close(finished=exc_type is None)
 
     # -- internals -------------------------------------------------------------------------
     def _set_phase(self, name: str) -> None:
+        if name == "train" and self._phase != "train":
+            # Progress resumes now: the fresh timestamp is written before the phase flips, so no
+            # scrape sees `train` with the age of the last step before the phase (a false hang).
+            self._last_step_ts.set(time.time())
         self._phase = name
         for phase, series in self._phases.items():
             series.set(1.0 if phase == name else 0.0)

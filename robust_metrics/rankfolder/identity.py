@@ -50,6 +50,7 @@ class RankIdentity:
     node: str = ""
     world_size: str = ""
     started: float | None = None
+    finished: float | None = None  # written by the hook at a normal end: the exit is no crash
     dp_rank: str = ""
     pp_rank: str = ""
     tp_rank: str = ""
@@ -68,13 +69,16 @@ def identity_name(pid: int) -> str:
 
 def write_identity(directory: str, *, run: str, rank: int | str, local_rank: int | str,
                    node: str, world_size: int | str, topology: Mapping[str, int] | None = None,
-                   pid: int | None = None, started: float | None = None) -> str:
+                   pid: int | None = None, started: float | None = None,
+                   finished: float | None = None) -> str:
     """Write this process's identity into `directory/ranks/` atomically; returns the path."""
     pid = os.getpid() if pid is None else pid
     topology = dict(topology or {})
     record = {"run": run, "rank": rank, "local_rank": local_rank, "pid": pid, "node": node,
               "world_size": world_size, "topology": topology,
               "started": time.time() if started is None else started}
+    if finished is not None:
+        record["finished"] = finished
     os.makedirs(directory, exist_ok=True)
     fd = open_dir(os.path.join(directory, RANKS_DIR), create=True)
     try:
@@ -90,6 +94,15 @@ def _text(value: Any) -> str:
     return str(value)
 
 
+def _timestamp(record: Mapping[str, Any], key: str) -> float | None:
+    value = record.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{key}={value!r} is not a time stamp")
+    return float(value)
+
+
 def parse_identity(data: bytes, pid: int, uid: int | None = None) -> RankIdentity:
     """The identity in `data` (the file's bytes) of the process `pid`; ValueError when malformed.
 
@@ -103,17 +116,14 @@ def parse_identity(data: bytes, pid: int, uid: int | None = None) -> RankIdentit
         raise ValueError("not an identity: needs an object with run and rank")
     if isinstance(record["run"], (dict, list)) or isinstance(record["rank"], (dict, list)):
         raise ValueError("run and rank must be strings or numbers")
-    started = record.get("started")
-    if started is not None:
-        if isinstance(started, bool) or not isinstance(started, (int, float)):
-            raise ValueError(f"started={started!r} is not a time stamp")
-        started = float(started)
+    started = _timestamp(record, "started")
+    finished = _timestamp(record, "finished")
     topology = record.get("topology")
     topology = topology if isinstance(topology, dict) else {}
     return RankIdentity(
         pid=pid, run=str(record["run"]), rank=str(record["rank"]),
         local_rank=_text(record.get("local_rank")), node=_text(record.get("node")),
-        world_size=_text(record.get("world_size")), started=started,
+        world_size=_text(record.get("world_size")), started=started, finished=finished,
         dp_rank=_text(topology.get("dp_rank")), pp_rank=_text(topology.get("pp_rank")),
         tp_rank=_text(topology.get("tp_rank")), uid=uid)
 

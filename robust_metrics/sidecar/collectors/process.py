@@ -1,14 +1,27 @@
 """`process`: what only an outside observer can say about a rank process.
 
-A rank stuck in a collective cannot report that it is stuck; the sidecar can. Per rank (the newest
-process of each `run`/`rank` pair in `ranks/<pid>.json`): whether the process is alive, its CPU
-time and resident memory, and the seconds since its last completed step, computed at scrape time
-from `robust_last_step_timestamp_seconds` (or from the process start before its first step), so the
-age of a hung rank keeps growing.
+A rank stuck in a collective cannot report that it is stuck, and a rank killed with SIGKILL cannot
+report that it died; the sidecar can. Per rank (the newest process of each `run`/`rank` pair in
+`ranks/<pid>.json`):
+
+- whether the process is alive, and whether it is stopped (state `T`, SIGSTOP) or traced (`t`);
+- whether it ended normally: the hook writes `finished` into its identity file at `close()` or at
+  interpreter exit without an uncaught exception; an exited rank without it crashed or was killed;
+- when it exited, noticed at once through a pidfd (Linux 5.3+) rather than at the next scrape, so
+  that the first rank to die can be told from the peers that die of its death a moment later;
+- its CPU time and resident memory;
+- the seconds since its last completed step, computed at scrape time from
+  `robust_last_step_timestamp_seconds` (or from `watch()` before its first step), so the age of a
+  hung rank keeps growing.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import os
+import select
+import threading
 import time
 from collections.abc import Iterator
 
@@ -20,9 +33,11 @@ from robust_metrics.sidecar.collector import register_collector
 from robust_metrics.sidecar.config import SidecarConfig
 from robust_metrics.sidecar.rankdir import RankFolder, RankIdentity
 
-__all__ = ["ProcessCollector", "newest_per_rank"]
+__all__ = ["ExitWatcher", "ProcessCollector", "newest_per_rank"]
 
+log = logging.getLogger(__name__)
 LABELS = ["run", "rank"]
+_STOPPED = {psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP}
 
 
 def newest_per_rank(identities: dict[int, RankIdentity]) -> dict[tuple[str, str], RankIdentity]:
@@ -36,47 +51,140 @@ def newest_per_rank(identities: dict[int, RankIdentity]) -> dict[tuple[str, str]
     return newest
 
 
+class ExitWatcher:
+    """Exit times of watched processes, taken when the kernel reports the exit (pidfd + poll).
+
+    One daemon thread waits on every watched pidfd; a process is watched from the first scrape that
+    sees it alive. Where pidfds are unavailable (not Linux, old kernel, no permission) the exit time
+    is the first scrape that finds the process gone.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._fds: dict[int, int] = {}  # fd -> pid
+        self._pids: set[int] = set()
+        self._exited: dict[int, float] = {}
+        self._poll = select.poll() if hasattr(select, "poll") else None
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        if self._poll is not None:
+            self._poll.register(self._wake_r, select.POLLIN)
+        self._thread: threading.Thread | None = None
+        self._stop = False
+
+    def watch(self, pid: int) -> None:
+        """Start watching `pid` (a no-op when it is watched already or pidfds are unavailable)."""
+        if self._poll is None or not hasattr(os, "pidfd_open"):
+            return
+        with self._lock:
+            if pid in self._pids or pid in self._exited:
+                return
+            try:
+                fd = os.pidfd_open(pid)
+            except OSError:
+                return
+            self._pids.add(pid)
+            self._fds[fd] = pid
+            self._poll.register(fd, select.POLLIN)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, daemon=True,
+                                                name="robust-metrics-exits")
+                self._thread.start()
+        os.write(self._wake_w, b"x")  # re-poll with the new fd
+
+    def exited(self, pid: int, now: float) -> float:
+        """When `pid` exited: the kernel's report, else `now` (remembered for later scrapes)."""
+        with self._lock:
+            return self._exited.setdefault(pid, now)
+
+    def forget(self, keep: set[int]) -> None:
+        """Drop the exit times of processes the folder no longer lists (bounded memory)."""
+        with self._lock:
+            for pid in set(self._exited) - keep:
+                del self._exited[pid]
+
+    def close(self) -> None:
+        self._stop = True
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"x")
+
+    def _run(self) -> None:
+        assert self._poll is not None
+        while not self._stop:
+            try:
+                events = self._poll.poll(1000)
+            except OSError as exc:  # never expected; the fallback exit time still works
+                log.warning("exit watcher stopped: %s", exc)
+                return
+            now = time.time()
+            for fd, _ in events:
+                if fd == self._wake_r:
+                    with contextlib.suppress(OSError):
+                        os.read(self._wake_r, 4096)
+                    continue
+                with self._lock:
+                    pid = self._fds.pop(fd, None)
+                    self._poll.unregister(fd)
+                    os.close(fd)
+                    if pid is not None:
+                        self._pids.discard(pid)
+                        self._exited.setdefault(pid, now)
+
+
 class ProcessCollector:
-    def __init__(self, folder: RankFolder) -> None:
+    def __init__(self, folder: RankFolder, exits: ExitWatcher | None = None) -> None:
         self.folder = folder
+        self.exits = exits if exits is not None else ExitWatcher()
 
     def collect(self) -> Iterator[Metric]:
         s = schema
         snapshot = self.folder.snapshot()
-        alive_f = GaugeMetricFamily(s.RANK_PROCESS_ALIVE.name, s.RANK_PROCESS_ALIVE.help,
-                                    labels=LABELS)
+
+        def gauge(spec: schema.MetricSpec) -> GaugeMetricFamily:
+            return GaugeMetricFamily(spec.name, spec.help, labels=LABELS)
+
+        alive_f, stopped_f = gauge(s.RANK_PROCESS_ALIVE), gauge(s.RANK_PROCESS_STOPPED)
+        finished_f, exit_f = gauge(s.RANK_FINISHED), gauge(s.RANK_EXIT_TIMESTAMP)
         cpu_f = CounterMetricFamily(s.RANK_PROCESS_CPU.name, s.RANK_PROCESS_CPU.help,
                                     labels=LABELS)
-        rss_f = GaugeMetricFamily(s.RANK_PROCESS_RSS.name, s.RANK_PROCESS_RSS.help, labels=LABELS)
-        age_f = GaugeMetricFamily(s.RANK_STEP_AGE.name, s.RANK_STEP_AGE.help, labels=LABELS)
+        rss_f, age_f = gauge(s.RANK_PROCESS_RSS), gauge(s.RANK_STEP_AGE)
         now = time.time()
+        self.exits.forget(set(snapshot.identities))
         for (run, rank), ident in sorted(newest_per_rank(snapshot.identities).items()):
             labels = [run, rank]
             alive = snapshot.alive.get(ident.pid, False)
+            times = rss = status = None
             if alive:  # the snapshot may be a quarter second old: ask again
                 try:
                     proc = psutil.Process(ident.pid)
                     with proc.oneshot():
+                        status = proc.status()
                         times = proc.cpu_times()
                         rss = proc.memory_info().rss
                 except (psutil.NoSuchProcess, psutil.ZombieProcess):
                     alive = False
                 except psutil.AccessDenied:
-                    times, rss = None, None
+                    pass
             alive_f.add_metric(labels, 1.0 if alive else 0.0)
+            if ident.finished:  # present only when true: no series for healthy ranks
+                finished_f.add_metric(labels, 1.0)
             if not alive:
+                exit_f.add_metric(labels, self.exits.exited(ident.pid, now))
                 continue
+            self.exits.watch(ident.pid)
+            if status in _STOPPED:
+                stopped_f.add_metric(labels, 1.0)
             if times is not None:
                 cpu_f.add_metric(labels, times.user + times.system)
                 rss_f.add_metric(labels, float(rss))
             last = snapshot.last_step.get((run, rank))
             since = last if last else ident.started
-            if since:
+            if since and not ident.finished:  # a rank shutting down after close() is no hang
                 age_f.add_metric(labels, max(0.0, now - since))
-        yield from (alive_f, cpu_f, rss_f, age_f)
+        yield from (alive_f, stopped_f, finished_f, exit_f, cpu_f, rss_f, age_f)
 
 
 @register_collector("process", default_enabled=True,
-                    help="rank process liveness, CPU, memory and step age")
+                    help="rank process liveness, stop and exit, CPU, memory and step age")
 def _factory(config: SidecarConfig, folder: RankFolder) -> ProcessCollector:
     return ProcessCollector(folder)

@@ -1,0 +1,171 @@
+"""Job transitions and faults end to end through the node sidecar, as a cluster runs them.
+
+Four gloo ranks of tests/fault_job.py (an MLP with Adam under DDP, one `watch()` line) write to a
+multiprocess folder; a real `robust-metrics sidecar` serves it; a real Prometheus scrapes the
+sidecar and evaluates the shipped rules every second, rescaled by 1/15 as in test_alerts_e2e.py.
+Each test is one run id in the shared folder:
+
+- checkpoint and eval phases, then a normal end with a slow shutdown: nothing may be active;
+- kill -9 of one rank: RankExited names it (and not the peers that die of its death);
+- a rank that sleeps before its first step: TrainingHang, and RankHang names it; no loss or
+  gradient-norm spike alert when training starts;
+- a rank stopped (SIGSTOP) inside the all-reduce its peers wait in: RankHang names it alone.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.integration.test_alerts_e2e import alerts, wait_firing, write_test_rules
+from tests.prometheus_fixture import PrometheusServer
+from tests.support import ROOT, RankJob, SidecarProcess, require_binary, wait_until
+
+pytestmark = pytest.mark.integration
+WORLD = 4
+JOB = ROOT / "tests" / "fault_job.py"
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    require_binary("prometheus")
+    folder = tmp_path_factory.mktemp("sidecar-e2e")
+    metrics = folder / "metrics"
+    metrics.mkdir()
+    with SidecarProcess(metrics, ["--node", "node-a"], log_path=folder / "sidecar.log") as sidecar:
+        server = PrometheusServer(folder / "prometheus", [sidecar.url.removeprefix("http://")],
+                                  rule_files=[write_test_rules(folder)])
+        server.start()
+        try:
+            yield {"prom": server, "folder": folder, "metrics": metrics, "sidecar": sidecar}
+        finally:
+            server.stop()
+
+
+def start_job(stack: dict[str, Any], run: str, args: list[str]) -> RankJob:
+    logs = stack["folder"] / f"logs-{run}"
+    logs.mkdir(exist_ok=True)
+    return RankJob(WORLD, args, script=JOB, log_dir=logs, run=run,
+                   env={"ROBUST_METRICS_DIR": str(stack["metrics"]),
+                        "ROBUST_METRICS_NODE": "node-a"})
+
+
+def wait_steps(prom: PrometheusServer, run: str, job: RankJob, steps: int = 20,
+               timeout: float = 90) -> None:
+    def stepping() -> bool:
+        result = prom.query(f'count(robust_steps_total{{run="{run}"}} > {steps})')
+        return bool(result) and float(result[0]["value"][1]) == WORLD
+    try:
+        wait_until(stepping, timeout=timeout, interval=0.5, message=f"{run}: {WORLD} ranks stepping")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{job.logs()}") from None
+
+
+def names(prom: PrometheusServer, run: str, alertname: str) -> set[str]:
+    return {a["labels"].get("rank", "") for a in alerts(prom, run)
+            if a["labels"]["alertname"] == alertname}
+
+
+def assert_silent(prom: PrometheusServer, run: str, seconds: float, job: RankJob) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        active = alerts(prom, run)
+        assert not active, f"{run} raised {active}\n{job.logs()}"
+        time.sleep(0.5)
+
+
+def test_phases_and_a_normal_end_raise_nothing(stack: dict[str, Any]) -> None:
+    prom, run = stack["prom"], "phases"
+    # 150 steps of ~0.05 s; a 3 s checkpoint (45 s at 15 s intervals, over the 2 s hang floor)
+    # at step 60, a 3 s evaluation at step 105; then close() and 3 s of shutdown
+    args = ["--steps", "150", "--checkpoint-every", "60", "--eval-every", "90",
+            "--checkpoint-seconds", "3", "--eval-seconds", "3", "--shutdown-seconds", "3"]
+    with start_job(stack, run, args) as job:
+        wait_steps(prom, run, job, steps=5)
+        while any(p.poll() is None for p in job.procs):
+            active = alerts(prom, run)
+            assert not active, f"{run} raised {active}\n{job.logs()}"
+            time.sleep(0.5)
+        assert job.wait(timeout=10) == [0] * WORLD, job.logs()
+        assert_silent(prom, run, 4, job)  # exited ranks: the sidecar shows them finished
+    finished = prom.query(f'sum(robust_rank_finished{{run="{run}"}})')
+    assert finished and float(finished[0]["value"][1]) == WORLD, finished
+    phases = prom.query(f'max_over_time(robust_phase{{run="{run}",phase="checkpoint"}}[2m])')
+    assert phases and max(float(r["value"][1]) for r in phases) == 1, \
+        "the checkpoint phase was never scraped: the silence above proves nothing"
+
+
+def test_kill_9_of_a_rank_is_named_within_a_scrape_and_an_evaluation(
+        stack: dict[str, Any]) -> None:
+    prom, run, victim = stack["prom"], "killed", 2
+    with start_job(stack, run, []) as job:
+        wait_steps(prom, run, job)
+        os.kill(job.pids[victim], signal.SIGKILL)
+        t0 = time.monotonic()
+        fired = wait_firing(prom, run, "RankExited", 30, job)
+        latency = time.monotonic() - t0
+        print(f"\nkill -9 of rank {victim}: RankExited after {latency:.1f}s")
+        assert fired["labels"]["rank"] == str(victim), fired
+        assert fired["labels"]["node"] == "node-a", fired
+        assert fired["labels"]["action"] == "restart"
+        job.wait(timeout=30)  # the peers fail in their next all-reduce and exit
+        time.sleep(3)
+        assert names(prom, run, "RankExited") == {str(victim)}, alerts(prom, run)
+    assert latency < 6, f"RankExited took {latency:.1f}s (one scrape + one evaluation is 2 s)"
+
+
+def test_a_rank_that_never_reaches_its_first_step_is_named(stack: dict[str, Any]) -> None:
+    prom, run, late = stack["prom"], "late", 1
+    with start_job(stack, run, ["--first-step-delay-rank", str(late),
+                                "--first-step-delay", "12"]) as job:
+        t0 = time.monotonic()
+        hang = wait_firing(prom, run, "TrainingHang", 30, job)
+        rank_hang = wait_firing(prom, run, "RankHang", 20, job)
+        print(f"\nrank {late} late: TrainingHang {time.monotonic() - t0:.1f}s after start")
+        assert hang["labels"]["action"] == "dump_stacks"
+        assert rank_hang["labels"]["rank"] == str(late), rank_hang
+        assert rank_hang["labels"]["node"] == "node-a"
+        assert names(prom, run, "RankHang") == {str(late)}, alerts(prom, run)
+        wait_steps(prom, run, job, steps=40, timeout=60)
+        firing = {a["labels"]["alertname"] for a in alerts(prom, run)}
+        assert not firing & {"LossSpike", "GradNormSpike", "LossRise", "GradNormRise"}, firing
+
+
+def test_a_rank_stopped_inside_a_collective_is_named_alone(stack: dict[str, Any]) -> None:
+    prom, run, stopped = stack["prom"], "stopped", 3
+    with start_job(stack, run, ["--stop-rank", str(stopped), "--stop-step", "60"]) as job:
+        try:
+            rank_hang = wait_firing(prom, run, "RankHang", 60, job)
+            wait_firing(prom, run, "TrainingHang", 10, job)
+            status = Path(f"/proc/{job.pids[stopped]}/stat").read_text().rsplit(")", 1)[1].split()
+            assert status[0] == "T", f"the rank was not stopped: state {status[0]}"
+            assert rank_hang["labels"]["rank"] == str(stopped), rank_hang
+            assert "process is stopped" in rank_hang["annotations"]["description"]
+            time.sleep(2)
+            assert names(prom, run, "RankHang") == {str(stopped)}, alerts(prom, run)
+        finally:
+            os.kill(job.pids[stopped], signal.SIGCONT)
+
+
+@pytest.mark.parametrize("where", ["backward"])
+def test_a_1_3x_straggler_is_named_by_its_compute_time(stack: dict[str, Any], where: str) -> None:
+    """Under DDP a rank slow in backward delays its peers' bucket all-reduces: their blocked time
+    grows, its own does not, so its compute time (step minus blocked) still names it."""
+    prom, run, slow = stack["prom"], f"slow-{where}", 1
+    with start_job(stack, run, ["--compute", "0.1", "--slow-rank", str(slow), "--slow-factor",
+                                "1.3", "--slow-where", where]) as job:
+        wait_steps(prom, run, job, steps=5)
+        t0 = time.monotonic()
+        fired = wait_firing(prom, run, "SlowRank", 60, job)
+        print(f"\n1.3x {where} straggler: SlowRank {time.monotonic() - t0:.1f}s after 5 steps "
+              f"(formula at 1/15 scale: (60 x 0.2 / 0.3 + 30 + 15 + 15) / 15 = 6.7 s)")
+        assert fired["labels"]["rank"] == str(slow), fired
+        assert float(fired["value"]) > 1.2
+        time.sleep(2)
+        assert names(prom, run, "SlowRank") == {str(slow)}, alerts(prom, run)
