@@ -8,6 +8,10 @@ command -v prometheus >/dev/null 2>&1 || need+=(prometheus)
 command -v promtool >/dev/null 2>&1 || need+=(prometheus)
 command -v prometheus-alertmanager >/dev/null 2>&1 || command -v alertmanager >/dev/null 2>&1 || need+=(prometheus-alertmanager)
 command -v amtool >/dev/null 2>&1 || need+=(prometheus-alertmanager)
+# The second backend: VictoriaMetrics with vmagent (sharded scraping) and vmalert (rules).
+command -v victoria-metrics >/dev/null 2>&1 || need+=(victoria-metrics)
+command -v vmagent >/dev/null 2>&1 || need+=(victoria-metrics)
+command -v vmalert >/dev/null 2>&1 || need+=(victoria-metrics)
 # A real single-node Slurm for the slurm scheduler adapter tests (tests/slurm/cluster.py).
 command -v slurmctld >/dev/null 2>&1 && command -v slurmd >/dev/null 2>&1 || need+=(slurm-wlm)
 command -v slurmrestd >/dev/null 2>&1 || need+=(slurmrestd)

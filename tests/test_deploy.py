@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+from pathlib import Path
 
 import yaml
 
+from robust_metrics import rules
 from tests.support import ROOT, require_binary
 
 DEPLOY = ROOT / "deploy"
@@ -58,3 +60,53 @@ def test_systemd_unit_runs_the_sidecar_on_loopback() -> None:
         errors = [ln for ln in result.stderr.splitlines() if "robust-metrics" not in ln
                   or "Executable" not in ln]
         assert not [e for e in errors if "error" in e.lower()], result.stderr
+
+
+VM = DEPLOY / "victoriametrics"
+
+
+def _unit_flags(unit: str, binary: str) -> list[str]:
+    """The `-flag=value` arguments of a unit's ExecStart, with ${VAR} left as written."""
+    text = (VM / unit).read_text().replace("\\\n", " ")
+    line = next(ln for ln in text.splitlines() if ln.startswith(f"ExecStart=/usr/bin/{binary}"))
+    return line.split()[1:]
+
+
+def test_vmagent_shards_read_the_shipped_scrape_config(tmp_path: Path) -> None:
+    """Each vmagent shard starts from deploy/prometheus/scrape.yml unchanged, with the flags of
+    its unit; the Kubernetes StatefulSet's config is valid for vmagent as well."""
+    vmagent = require_binary("vmagent")
+    flags = _unit_flags("vmagent@.service", "vmagent")
+    assert "-promscrape.cluster.memberNum=%i" in flags
+    assert "-promscrape.cluster.membersCount=${SHARDS}" in flags
+    env = dict(ln.split("=", 1) for ln in (VM / "vmagent.env").read_text().splitlines()
+               if ln and not ln.startswith("#"))
+    local = [f.replace("${SHARDS}", env["SHARDS"]).replace("%i", "1")
+             for f in flags if f.startswith("-promscrape.")]
+    local = [f"-promscrape.config={DEPLOY / 'prometheus' / 'scrape.yml'}"
+             if f.startswith("-promscrape.config=") else f for f in local]
+    result = subprocess.run([vmagent, "-dryRun", *local], capture_output=True, text=True,
+                            timeout=30)
+    assert result.returncode == 0, result.stdout + result.stderr
+    docs = {d["kind"]: d for d in yaml.safe_load_all((VM / "kubernetes.yaml").read_text())}
+    (tmp_path / "scrape.yml").write_text(docs["ConfigMap"]["data"]["scrape.yml"])
+    result = subprocess.run([vmagent, "-dryRun", f"-promscrape.config={tmp_path / 'scrape.yml'}"],
+                            capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, result.stdout + result.stderr
+    args = docs["StatefulSet"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    count = next(a for a in args if a.startswith("-promscrape.cluster.membersCount="))
+    assert int(count.split("=")[1]) == docs["StatefulSet"]["spec"]["replicas"]
+
+
+def test_vmalert_accepts_the_shipped_rules(tmp_path: Path) -> None:
+    """vmalert parses every shipped rule and template (MetricsQL and Go templates, as in the
+    unit's defaults) and the unit restores alert state and notifies Alertmanager."""
+    vmalert = require_binary("vmalert")
+    rules_file = tmp_path / "rules.yml"
+    rules_file.write_text(rules.render(rules.load_groups()))
+    result = subprocess.run([vmalert, "-dryRun", f"-rule={rules_file}"], capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    flags = _unit_flags("vmalert.service", "vmalert")
+    for needed in ("-remoteWrite.url=", "-remoteRead.url=", "-notifier.url=", "-rule="):
+        assert any(f.startswith(needed) for f in flags), needed
