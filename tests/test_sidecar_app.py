@@ -232,7 +232,7 @@ def test_tls_from_web_config(tmp_path: Path) -> None:
 
         def ready() -> bool:
             if sidecar.proc.poll() is not None:
-                raise AssertionError(sidecar.output())
+                raise AssertionError(sidecar.log_tail())
             return httpx.get(f"{url}/healthz", verify=trust, timeout=2).status_code == 200
 
         wait_until(ready, timeout=30, message="TLS sidecar")
@@ -251,8 +251,8 @@ def test_sigterm_stops_the_sidecar_and_releases_the_archive(tmp_path: Path) -> N
         sidecar.wait_ready()
         sidecar.proc.send_signal(15)
         code = sidecar.proc.wait(timeout=15)
-        assert code in (0, -15), sidecar.output()  # uvicorn re-raises the signal after shutdown
-        assert "Traceback" not in sidecar.output()
+        assert code in (0, -15), sidecar.log_tail()  # uvicorn re-raises the signal after shutdown
+        assert "Traceback" not in sidecar.log_tail()
     finally:
         sidecar.stop()
     _, folder, _ = build(make_config(tmp_path))  # make_config's folder is tmp_path/metrics
