@@ -1,8 +1,11 @@
 """The `robust-metrics` command: one sub-command per deployable.
 
-Each sub-command lives in its own module with two functions, `configure(parser)` and
-`run(args) -> int`. Modules are imported only when their sub-command runs, so `robust-metrics sidecar`
-never pays for torch or matplotlib.
+This module only registers the sub-commands. Each lives in its own module with two functions,
+`configure(parser)` and `run(args) -> int`: a deployable's in the `cli.py` of its package
+(`sidecar/cli.py`, `bridge/cli.py`, `dashboards/cli.py`, `analysis/whatif/cli.py`, `demo/cli.py`);
+the small single-module tools keep theirs beside what they render (`rules.py`, `schema_cli.py`,
+`analysis/stacks_cli.py`). Modules are imported only when their sub-command runs, so
+`robust-metrics sidecar` never pays for torch or matplotlib.
 
 A command whose optional extra is not installed says which one (`pip install
 'robust-metrics[sidecar]'`) and exits 2, instead of ending in a ModuleNotFoundError traceback:
@@ -20,14 +23,14 @@ from collections.abc import Sequence
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "sidecar": ("robust_metrics.sidecar.main", "node exporter: rank metrics, GPU, NIC, liveness, stacks"),
-    "bridge": ("robust_metrics.bridge.main", "Alertmanager webhook to checkpoint/stack/restart actions"),
+    "sidecar": ("robust_metrics.sidecar.cli", "node exporter: rank metrics, GPU, NIC, liveness, stacks"),
+    "bridge": ("robust_metrics.bridge.cli", "Alertmanager webhook to checkpoint/stack/restart actions"),
     "rules": ("robust_metrics.rules", "render the alert and recording rules (plain or PrometheusRule)"),
     "dashboards": ("robust_metrics.dashboards.cli", "write the Grafana dashboards as JSON"),
     "whatif": ("robust_metrics.analysis.whatif.cli", "what-if straggler analysis of an op trace"),
     "stacks": ("robust_metrics.analysis.stacks_cli", "localise a hang by aggregating rank stacks"),
     "schema": ("robust_metrics.schema_cli", "print the metric reference table"),
-    "demo": ("robust_metrics.demo.main", "run a training job, inject faults, watch them caught"),
+    "demo": ("robust_metrics.demo.cli", "run a training job, inject faults, watch them caught"),
 }
 
 

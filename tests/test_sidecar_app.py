@@ -17,8 +17,8 @@ from starlette.testclient import TestClient
 
 from robust_metrics.hooks import control
 from robust_metrics.sidecar.auth import load_web_config
+from robust_metrics.sidecar.cli import EXIT_BIND, EXIT_CONFIG, build
 from robust_metrics.sidecar.config import ConfigError, SidecarConfig, parse_listen
-from robust_metrics.sidecar.main import EXIT_BIND, EXIT_CONFIG, build
 from tests.support import ROOT, SidecarProcess, require_binary, wait_until
 
 TOKEN = "s3cret-token"
@@ -52,7 +52,7 @@ def bearer(token: str = TOKEN) -> dict[str, str]:
 def test_importing_and_building_the_sidecar_never_imports_torch(tmp_path: Path) -> None:
     code = (
         "import sys\n"
-        "from robust_metrics.sidecar.main import build\n"
+        "from robust_metrics.sidecar.cli import build\n"
         "from robust_metrics.sidecar.config import SidecarConfig\n"
         "import robust_metrics.sidecar.collectors, robust_metrics.sidecar.app\n"
         f"app, folder, _ = build(SidecarConfig(directory={str(tmp_path / 'm')!r}, "

@@ -6,7 +6,7 @@ Run it with ``robust-metrics bridge --config bridge.yaml`` (docs/bridge.md). Mod
 - `policy`: alert -> rule -> plan;                      - `store`: the SQLite (WAL) action log;
 - `engine`: workers, cooldown, restart budget;          - `actions`: what each action does;
 - `sidecars`: sidecar and Prometheus client;            - `signing`: HMAC-SHA256 for webhooks;
-- `service`: the `Bridge` object;  `app`: HTTP routes;  `main`: the CLI;
+- `service`: the `Bridge` object;  `app`: HTTP routes;  `cli`: the CLI;
 - `schedulers/`: adapters chosen by name (`local`, `webhook`, `slurm`, `kubernetes`).
 
 Nothing here imports torch.
