@@ -119,8 +119,8 @@ def main(argv: list[str] | None = None) -> int:
         rule_file.write_text(rules.render(groups))
         targets = [f"127.0.0.1:{base + r}" for r in range(WORLD)]
         with Prometheus(Path(tmp) / "prom", targets, rule_files=[rule_file],
-                              scrape_interval=args.interval,
-                              evaluation_interval=args.interval) as prom:
+                        scrape_interval=args.interval,
+                        evaluation_interval=args.interval) as prom:
             rounds = []
             for i in range(args.repeat):
                 logs = Path(tmp) / f"logs{i}"

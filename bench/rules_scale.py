@@ -162,8 +162,8 @@ def main(argv: list[str] | None = None) -> int:
                    "static_configs": [{"targets": [f"127.0.0.1:{exporter.port}"]}]}
                   for i in range(len(exporter.templates))]
         prom = Prometheus(Path(tmp) / "prom", [], rule_files=[rule_file],
-                                scrape_interval=args.interval, evaluation_interval=args.interval,
-                                extra_scrape_configs=scrape)
+                          scrape_interval=args.interval, evaluation_interval=args.interval,
+                          extra_scrape_configs=scrape)
         with prom:
             durations: dict[str, list[float]] = {}
             seen: set[tuple[str, str]] = set()
