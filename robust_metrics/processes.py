@@ -5,7 +5,7 @@ the one place that knows how. Every process is started in its own session (so on
 group stops its whole tree) and recorded, so a test session can fail when something it started is
 still alive at its end (`leftovers()`).
 
-    with prometheus(workdir, ["127.0.0.1:9400"], rule_files=[rules]) as prom:
+    with Prometheus(workdir, ["127.0.0.1:9400"], rule_files=[rules]) as prom:
         prom.query("up")
     with sidecar(metrics_dir, ["--node", "n1"]) as side:
         httpx.get(side.url + "/metrics")
