@@ -14,12 +14,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -32,13 +28,12 @@ import httpx
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from robust_metrics import processes  # noqa: E402
+from robust_metrics.processes import free_port  # noqa: E402
+
 TOKEN = "bench-token"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Counting(BaseHTTPRequestHandler):
@@ -111,20 +106,11 @@ def main() -> int:
         "database": "bridge.db", "auth": {"bearer_token": TOKEN}, "workers": 4,
         "notify": {"url": f"http://127.0.0.1:{receiver.server_address[1]}"},
         "rules": [{"match": {"alertname": "Bench"}, "actions": ["notify"]}]}))
-    proc = subprocess.Popen([sys.executable, "-m", "robust_metrics", "bridge", "--config",
-                             str(tmp / "bridge.yaml"), "--port", str(port),
-                             "--log-level", "warning"], cwd=ROOT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
+    service = processes.bridge(tmp / "bridge.yaml", ["--log-level", "warning"], port=port,
+                               cwd=ROOT)
+    url = service.url
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.1)
+        service.start(timeout=30)
         asyncio.run(fire(url, [None] * 100, args.concurrency))  # warm-up
         baseline = asyncio.run(fire(url, [None] * args.webhooks, args.concurrency))
         bodies = [json.dumps(payload(i % instances)).encode() for i in range(args.webhooks)]
@@ -146,8 +132,7 @@ def main() -> int:
                       headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)
         rows = r.json()["actions"]
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=30)
+        service.stop(timeout=30)
         receiver.shutdown()
 
     once = len(counts) == instances + serial and all(v == 1 for v in counts.values())

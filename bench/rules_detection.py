@@ -36,8 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from prometheus_client.parser import text_string_to_metric_families
 
 from robust_metrics import rules
-from tests.prometheus_fixture import PrometheusServer
-from tests.support import RankJob, free_port_block, wait_until
+from robust_metrics.processes import Prometheus, RankJob, free_port_block, wait_for
 
 WORLD = 4
 
@@ -58,7 +57,7 @@ def _parse_time(text: str) -> float:
     return stamp + (float("0." + frac[:6]) if frac else 0.0)
 
 
-def firing_at(prom: PrometheusServer, run: str, alertname: str, timeout: float,
+def firing_at(prom: Prometheus, run: str, alertname: str, timeout: float,
               hold: dict[str, float]) -> float:
     """Unix time at which `alertname` fired for `run`: its activeAt plus its `for`."""
     def firing() -> float | None:
@@ -67,10 +66,10 @@ def firing_at(prom: PrometheusServer, run: str, alertname: str, timeout: float,
                     and alert["labels"]["alertname"] == alertname):
                 return _parse_time(alert["activeAt"]) + hold.get(alertname, 0.0)
         return None
-    return wait_until(firing, timeout=timeout, interval=0.2, message=f"{alertname} for {run}")
+    return wait_for(firing, timeout=timeout, interval=0.2, message=f"{alertname} for {run}")
 
 
-def one_round(prom: PrometheusServer, base: int, tag: str, logs: Path, interval_s: float,
+def one_round(prom: Prometheus, base: int, tag: str, logs: Path, interval_s: float,
               hold: dict[str, float]) -> dict[str, float]:
     out: dict[str, float] = {}
     common = ["--steps", "1000000", "--step-sleep", "0.05"]
@@ -80,9 +79,9 @@ def one_round(prom: PrometheusServer, base: int, tag: str, logs: Path, interval_
     with RankJob(WORLD, [*common, "--slow-rank", "3", "--slow-seconds", "0.1", "--nan-rank", "1",
                          "--nan-step", "40"],
                  env={"ROBUST_METRICS_PORT": str(base)}, log_dir=logs, run=run):
-        t_slow = wait_until(lambda: rank_value(base + 3, "robust_steps_total") >= 1 and
+        t_slow = wait_for(lambda: rank_value(base + 3, "robust_steps_total") >= 1 and
                             time.time(), timeout=120, interval=0.05, message="first step")
-        t_nan = wait_until(lambda: rank_value(base + 1, "robust_nonfinite_loss_steps_total") >= 1
+        t_nan = wait_for(lambda: rank_value(base + 1, "robust_nonfinite_loss_steps_total") >= 1
                            and time.time(), timeout=120, interval=0.05, message="NaN step")
         out["NonFiniteLoss"] = firing_at(prom, run, "NonFiniteLoss", timeout, hold) - t_nan
         out["SlowRank"] = firing_at(prom, run, "SlowRank", timeout, hold) - t_slow
@@ -90,7 +89,7 @@ def one_round(prom: PrometheusServer, base: int, tag: str, logs: Path, interval_
     run = f"hang-{tag}"
     with RankJob(WORLD, common, env={"ROBUST_METRICS_PORT": str(base)}, log_dir=logs,
                  run=run) as job:
-        wait_until(lambda: rank_value(base + 2, "robust_steps_total") >= 20, timeout=120,
+        wait_for(lambda: rank_value(base + 2, "robust_steps_total") >= 20, timeout=120,
                    interval=0.2, message="20 steps")
         time.sleep(25 * interval_s)  # let the step-time medians settle
         os.kill(job.pids[2], signal.SIGSTOP)
@@ -119,9 +118,9 @@ def main(argv: list[str] | None = None) -> int:
                 for a in rules.alerts(groups) if "for" in a}
         rule_file.write_text(rules.render(groups))
         targets = [f"127.0.0.1:{base + r}" for r in range(WORLD)]
-        with PrometheusServer(Path(tmp) / "prom", targets, rule_files=[rule_file],
-                              scrape_interval=args.interval,
-                              evaluation_interval=args.interval) as prom:
+        with Prometheus(Path(tmp) / "prom", targets, rule_files=[rule_file],
+                        scrape_interval=args.interval,
+                        evaluation_interval=args.interval) as prom:
             rounds = []
             for i in range(args.repeat):
                 logs = Path(tmp) / f"logs{i}"

@@ -29,8 +29,7 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from robust_metrics import rules, schema
-from tests.prometheus_fixture import PrometheusServer
-from tests.support import free_port
+from robust_metrics.processes import Prometheus, free_port
 
 SLOW_RANK = 7
 RUN = "bench"
@@ -162,9 +161,9 @@ def main(argv: list[str] | None = None) -> int:
         scrape = [{"job_name": f"shard{i}", "metrics_path": f"/shard/{i}",
                    "static_configs": [{"targets": [f"127.0.0.1:{exporter.port}"]}]}
                   for i in range(len(exporter.templates))]
-        prom = PrometheusServer(Path(tmp) / "prom", [], rule_files=[rule_file],
-                                scrape_interval=args.interval, evaluation_interval=args.interval,
-                                extra_scrape_configs=scrape)
+        prom = Prometheus(Path(tmp) / "prom", [], rule_files=[rule_file],
+                          scrape_interval=args.interval, evaluation_interval=args.interval,
+                          extra_scrape_configs=scrape)
         with prom:
             durations: dict[str, list[float]] = {}
             seen: set[tuple[str, str]] = set()

@@ -34,7 +34,8 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.support import SidecarProcess  # noqa: E402
+from robust_metrics.processes import sidecar as sidecar_service  # noqa: E402
+from robust_metrics.processes import spawn  # noqa: E402
 
 WRITER = ROOT / "tests" / "fixtures" / "sidecar" / "rank_writer.py"
 
@@ -71,14 +72,14 @@ def main() -> None:
         writers = []
         try:
             for rank in range(args.ranks):
-                proc = subprocess.Popen(
+                proc = spawn(
                     [sys.executable, str(WRITER), "--dir", str(directory), "--rank", str(rank),
                      "--forever", "--interval", "0.1", "--all-metrics", "--steps", "2"],
-                    stdout=subprocess.PIPE, start_new_session=True, cwd=ROOT)
+                    stdout=subprocess.PIPE, cwd=ROOT)
                 assert proc.stdout is not None
                 proc.stdout.readline()  # "ready"
                 writers.append(proc)
-            with SidecarProcess(directory, log_path=Path(tmp) / "sidecar.log") as sidecar, \
+            with sidecar_service(directory, log_path=Path(tmp) / "sidecar.log") as sidecar, \
                     httpx.Client(timeout=30) as client:
                 me = psutil.Process(sidecar.proc.pid)
                 text = client.get(f"{sidecar.url}/metrics").text

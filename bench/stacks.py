@@ -28,8 +28,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from robust_metrics.analysis.stacks import analyse  # noqa: E402
+from robust_metrics.processes import RankJob, wait_for  # noqa: E402
 from robust_metrics.sidecar.stacks import dump_stacks, find_py_spy  # noqa: E402
-from tests.support import RankJob, wait_until  # noqa: E402
 
 SITE = "/opt/venv/lib/python3.11/site-packages"
 
@@ -50,7 +50,7 @@ def bench_dumps(nranks: int, repeat: int) -> list[tuple[str, str, str]]:
     with tempfile.TemporaryDirectory() as logs, RankJob(
             nranks, ["--data-stall-rank", str(nranks - 1)],
             script=ROOT / "tests" / "stacks_train.py", log_dir=Path(logs)) as job:
-        wait_until(lambda: "stalled in load_batch" in job.logs(), timeout=300,
+        wait_for(lambda: "stalled in load_batch" in job.logs(), timeout=300,
                    message="the stalled rank")
         time.sleep(1.0)
         one, _ = timed(lambda: dump_stacks(job.pids[:1]), repeat)

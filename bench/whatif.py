@@ -18,6 +18,7 @@ import json
 import math
 import multiprocessing as mp
 import resource
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -25,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # tests.whatif_synthetic: the trace generator is not shipped
 ST = ROOT / "tests" / "fixtures" / "whatif-ST"
 
 
@@ -114,7 +116,7 @@ def main() -> None:
     rows.append(measure("fixture ST, vectorised", trace, meta))
     rows.append(measure("fixture ST, naive per-op", trace, meta, naive=True))
     if not args.skip_large:
-        from robust_metrics.analysis.whatif.synthetic import SyntheticJob, generate
+        from tests.whatif_synthetic import SyntheticJob, generate
 
         with tempfile.TemporaryDirectory() as tmp:
             began = time.perf_counter()

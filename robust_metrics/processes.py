@@ -1,16 +1,76 @@
-"""Small helpers for the local processes the demo (and the tests) start on loopback."""
+"""The harness for local processes: Prometheus, Alertmanager, the sidecar, the bridge and ranks.
+
+The demo, the tests and the benchmarks start the same services on loopback ports; this module is
+the one place that knows how. Every process is started in its own session (so one signal to its
+group stops its whole tree) and recorded, so a test session can fail when something it started is
+still alive at its end (`leftovers()`).
+
+    with Prometheus(workdir, ["127.0.0.1:9400"], rule_files=[rules]) as prom:
+        prom.query("up")
+    with sidecar(metrics_dir, ["--node", "n1"]) as side:
+        httpx.get(side.url + "/metrics")
+    with RankJob(2, ["--steps", "50"], log_dir=tmp) as job:
+        job.wait()
+
+Nothing here imports torch or an HTTP client library: the demo needs it with the base install.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import IO, Any, TypeVar
 
-__all__ = ["free_port", "stop_process_group"]
+import yaml
+
+__all__ = [
+    "EXAMPLE",
+    "MissingBinary",
+    "Prometheus",
+    "QueryAPI",
+    "RankJob",
+    "Service",
+    "ServiceError",
+    "alertmanager",
+    "bridge",
+    "find_binary",
+    "free_port",
+    "free_port_block",
+    "http_ok",
+    "kill_leftovers",
+    "leftovers",
+    "sidecar",
+    "spawn",
+    "stop_process_group",
+    "wait_for",
+]
+
+T = TypeVar("T")
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_ddp.py"
 
 
+class ServiceError(RuntimeError):
+    """A local service exited at start or did not become ready; the message holds its log."""
+
+
+class MissingBinary(ServiceError):
+    """A program (prometheus, alertmanager) is not installed."""
+
+
+# ---------------------------------------------------------------------- ports
 def free_port() -> int:
     """A loopback TCP port that was free a moment ago."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -18,16 +78,394 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def stop_process_group(proc: subprocess.Popen[bytes], timeout: float = 10.0) -> None:
-    """SIGTERM the process's group (it was started with `start_new_session=True`), wait, then
-    SIGKILL what is left; returns once the process is reaped."""
-    if proc.poll() is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
+def free_port_block(n: int) -> int:
+    """A base port such that base..base+n-1 were all free a moment ago (in-process rank
+    endpoints listen on ROBUST_METRICS_PORT + local rank)."""
+    for _ in range(100):
+        base = free_port()
+        if base + n > 65535:
+            continue
+        socks: list[socket.socket] = []
+        try:
+            for port in range(base, base + n):
+                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                socks.append(sock)
+                sock.bind(("0.0.0.0", port))  # ranks listen on all addresses
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+    raise RuntimeError(f"no block of {n} free loopback ports")
+
+
+def wait_for(predicate: Callable[[], T], timeout: float, interval: float = 0.1,
+             message: str = "condition") -> T:
+    """Poll `predicate` until it returns a truthy value (exceptions count as not yet); its
+    value, or TimeoutError naming `message` and the last exception after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    last_exc: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            value = predicate()
+            if value:
+                return value
+        except Exception as exc:  # the thing polled may not be up yet
+            last_exc = exc
+        time.sleep(interval)
+    raise TimeoutError(f"timed out after {timeout}s waiting for {message}; last error: {last_exc}")
+
+
+# ---------------------------------------------------------------------- processes
+_STARTED: list[subprocess.Popen[Any]] = []
+_STARTED_LOCK = threading.Lock()
+
+
+def spawn(argv: Sequence[str], *, log_path: Path | None = None, env: Mapping[str, str] | None = None,
+          cwd: Path | str | None = None, stdout: int | IO[Any] | None = None,
+          append: bool = True, inherit_env: bool = True) -> subprocess.Popen[Any]:
+    """Start `argv` in its own session, output to `log_path` (or `stdout`, default: discarded),
+    with `env` added to this process's environment (or as the whole environment without
+    `inherit_env`); recorded for `leftovers()`."""
+    out: int | IO[Any]
+    if log_path is not None:
+        out = open(log_path, "ab" if append else "wb")  # noqa: SIM115 - the child owns a copy
+    else:
+        out = subprocess.DEVNULL if stdout is None else stdout
     try:
-        proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
+        proc = subprocess.Popen(list(argv), stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True, cwd=cwd,
+                                env={**(os.environ if inherit_env else {}), **(env or {})})
+    finally:
+        if log_path is not None:
+            out.close()  # type: ignore[union-attr]
+    with _STARTED_LOCK:
+        _STARTED.append(proc)
+    return proc
+
+
+def stop_process_group(proc: subprocess.Popen[Any], timeout: float = 10.0) -> None:
+    """SIGTERM the process's group (it was started with `start_new_session=True`), wait, then
+    SIGKILL what is left of the group; returns once the process is reaped."""
+    if proc.poll() is None:
         with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=timeout)
+    # The leader is gone; children that ignored SIGTERM (or were never sent it) go too.
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def leftovers() -> list[str]:
+    """`pid command` of every live process in a group this harness started (zombies excluded)."""
+    import psutil
+
+    with _STARTED_LOCK:
+        groups = {p.pid for p in _STARTED if p.poll() is None or _group_alive(p.pid)}
+    alive = []
+    for proc in psutil.process_iter(["pid", "status", "cmdline"]):
+        try:
+            if os.getpgid(proc.pid) in groups and proc.info["status"] != psutil.STATUS_ZOMBIE:
+                alive.append(f"{proc.pid} {' '.join(proc.info['cmdline'] or [])[:200]}")
+        except (ProcessLookupError, psutil.Error):
+            continue
+    return sorted(alive)
+
+
+def kill_leftovers() -> None:
+    """SIGKILL every process group this harness started that is still alive, and reap them."""
+    with _STARTED_LOCK:
+        started = list(_STARTED)
+    for proc in started:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=timeout)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=10)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
+# ---------------------------------------------------------------------- services
+def find_binary(*names: str) -> str:
+    """Path of the first of `names` on PATH; MissingBinary says how to install it."""
+    for name in names:
+        path = shutil.which(name)
+        if path:
+            return path
+    raise MissingBinary(f"{' or '.join(names)} not found: install Debian's prometheus and "
+                        "prometheus-alertmanager packages (make demo does it as root)")
+
+
+def http_ok(url: str, token: str | None = None, timeout: float = 2.0) -> bool:
+    request = urllib.request.Request(url)
+    if token:
+        request.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return bool(200 <= response.status < 300)
+    except OSError:
+        return False
+
+
+class Service:
+    """One long-running local process with a log file and an HTTP readiness URL.
+
+    `launch()` starts it, `wait_ready()` waits for the URL to answer 2xx, `start()` does both
+    (and nothing when it runs already); as a context manager it is started and stopped.
+    """
+
+    def __init__(self, name: str, argv: Sequence[str], *, log_path: Path | None = None,
+                 ready_url: str | None = None, env: Mapping[str, str] | None = None,
+                 cwd: Path | str | None = None, port: int | None = None) -> None:
+        self.name = name
+        self.argv = list(argv)
+        self.log_path = log_path
+        self.ready_url = ready_url
+        self.env = dict(env or {})
+        self.cwd = cwd
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}" if port else ""
+        self.proc: subprocess.Popen[Any] | None = None
+
+    def launch(self) -> Service:
+        if self.proc is None or self.proc.poll() is not None:
+            self.proc = spawn(self.argv, log_path=self.log_path, env=self.env, cwd=self.cwd)
+        return self
+
+    def wait_ready(self, timeout: float = 60.0,
+                   ready: Callable[[], bool] | None = None) -> Service:
+        """Wait until `ready()` (default: the readiness URL answers 2xx); stop it on failure."""
+        self.launch()
+        check = ready or (lambda: self.ready_url is None or http_ok(self.ready_url))
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise ServiceError(f"{self.name} exited with {self.proc.returncode}:\n"
+                                   f"{self.log_tail()}")
+            with contextlib.suppress(Exception):
+                if check():
+                    return self
+            time.sleep(0.1)
+        self.stop()
+        raise ServiceError(f"{self.name} not ready at {self.ready_url} after {timeout:.0f}s:\n"
+                           f"{self.log_tail()}")
+
+    def start(self, timeout: float = 60.0) -> Service:
+        return self.wait_ready(timeout)
+
+    def log_tail(self, chars: int = 4000) -> str:
+        if self.log_path is None:
+            return ""
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    def stop(self, timeout: float = 15.0) -> None:
+        if self.proc is not None:
+            stop_process_group(self.proc, timeout)
+
+    def __enter__(self) -> Any:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class QueryAPI:
+    """The Prometheus HTTP query API at `self.url`; VictoriaMetrics and vmalert serve it too."""
+
+    url: str
+
+    def api(self, path: str, **params: Any) -> Any:
+        """GET /api/v1/<path>; returns `data`, raising ServiceError with Prometheus' error text."""
+        url = f"{self.url}/api/v1/{path}?" + urllib.parse.urlencode(params)
+        try:
+            with urllib.request.urlopen(url, timeout=30) as response:
+                body = json.load(response)
+        except urllib.error.HTTPError as exc:
+            body = json.loads(exc.read() or b"{}")
+        except (OSError, ValueError) as exc:
+            raise ServiceError(f"{self.url} unreachable: {exc}") from None
+        if body.get("status") != "success":
+            raise ServiceError(f"{self.url}/api/v1/{path} {params}: {body.get('errorType')}: "
+                               f"{body.get('error')}")
+        return body["data"]
+
+    def query(self, expr: str, at: float | None = None) -> list[dict[str, Any]]:
+        """Instant query; the result vector (or a one-element list for a scalar)."""
+        data = self.api("query", query=expr, **({} if at is None else {"time": at}))
+        if data["resultType"] == "scalar":
+            return [{"metric": {}, "value": data["result"]}]
+        return list(data["result"])
+
+    def query_range(self, expr: str, start: float, end: float,
+                    step: float) -> list[dict[str, Any]]:
+        return list(self.api("query_range", query=expr, start=start, end=end, step=step)["result"])
+
+    def alerts(self) -> list[dict[str, Any]]:
+        return list(self.api("alerts")["alerts"])
+
+    def wait_for_targets_up(self, count: int, timeout: float = 30) -> None:
+        deadline = time.monotonic() + timeout
+        while len(self.query("up == 1")) < count:
+            if time.monotonic() > deadline:
+                raise ServiceError(f"fewer than {count} scrape targets up after {timeout:g}s:\n"
+                                   f"{self.query('up')}")
+            time.sleep(0.5)
+
+
+class Prometheus(Service, QueryAPI):
+    """Prometheus scraping `targets` as `job` (or with `config` as its whole configuration);
+    config, storage and log (unless `log_path`) under `workdir`. `query()`, `query_range()` and
+    `api()` wrap its HTTP API. Not started by the constructor: use `with` or `.start()`."""
+
+    def __init__(self, workdir: Path, targets: Sequence[str] = (), *,
+                 rule_files: Sequence[Path] = (), scrape_interval: str = "1s",
+                 evaluation_interval: str = "1s", job: str = "robust-metrics",
+                 extra_scrape_configs: Sequence[Mapping[str, Any]] = (),
+                 port: int | None = None, config: Mapping[str, Any] | None = None,
+                 log_path: Path | None = None, extra_args: Sequence[str] = ()) -> None:
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        port = port or free_port()
+        if config is None:
+            config = {
+                "global": {"scrape_interval": scrape_interval, "scrape_timeout": scrape_interval,
+                           "evaluation_interval": evaluation_interval},
+                "rule_files": [str(Path(p).resolve()) for p in rule_files],
+                "scrape_configs": [{"job_name": job,
+                                    "static_configs": [{"targets": list(targets)}]},
+                                   *extra_scrape_configs],
+            }
+        self.config_path = self.workdir / "prometheus.yml"
+        self.config_path.write_text(yaml.safe_dump(dict(config), sort_keys=False))
+        super().__init__(
+            "prometheus", [find_binary("prometheus"), f"--config.file={self.config_path}",
+                           f"--storage.tsdb.path={self.workdir / 'data'}",
+                           f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn",
+                           *extra_args],
+            log_path=log_path or self.workdir / "prometheus.log", port=port,
+            ready_url=f"http://127.0.0.1:{port}/-/ready")
+
+    def start(self, timeout: float = 60.0) -> Prometheus:
+        super().start(timeout)
+        return self
+
+    def __enter__(self) -> Prometheus:
+        return self.start()
+
+    def logs(self) -> str:
+        return self.log_tail()
+
+
+def alertmanager(workdir: Path, config: Mapping[str, Any], *, port: int | None = None,
+                 log_path: Path | None = None) -> Service:
+    """Alertmanager with `config` (routes, receivers), single node, state under `workdir`."""
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    port = port or free_port()
+    (workdir / "alertmanager.yml").write_text(yaml.safe_dump(dict(config), sort_keys=False))
+    return Service(
+        "alertmanager", [find_binary("prometheus-alertmanager", "alertmanager"),
+                         f"--config.file={workdir / 'alertmanager.yml'}",
+                         f"--storage.path={workdir / 'data'}",
+                         f"--web.listen-address=127.0.0.1:{port}", "--cluster.listen-address=",
+                         "--log.level=warn"],
+        log_path=log_path or workdir / "alertmanager.log",
+        ready_url=f"http://127.0.0.1:{port}/-/ready",
+        port=port)
+
+
+def sidecar(directory: Path | str, args: Sequence[str] = (), *, port: int | None = None,
+            log_path: Path | None = None, env: Mapping[str, str] | None = None,
+            launcher: Sequence[str] = (sys.executable, "-m", "robust_metrics")) -> Service:
+    """`robust-metrics sidecar` reading `directory`, on a loopback port; `args` are extra flags.
+    `launcher` replaces `python -m robust_metrics` (e.g. a script that installs a fake pynvml)."""
+    port = port or free_port()
+    return Service("sidecar", [*launcher, "sidecar", "--dir", str(directory),
+                               "--listen", f"127.0.0.1:{port}", *args],
+                   log_path=log_path, env=env, port=port,
+                   ready_url=f"http://127.0.0.1:{port}/healthz")
+
+
+def bridge(config_path: Path, args: Sequence[str] = (), *, port: int | None = None,
+           log_path: Path | None = None, env: Mapping[str, str] | None = None,
+           cwd: Path | str | None = None) -> Service:
+    """`robust-metrics bridge` with the policy file `config_path` (its `listen` port is
+    overridden); `args` are extra flags."""
+    port = port or free_port()
+    return Service("bridge", [sys.executable, "-m", "robust_metrics", "bridge", "--config",
+                              str(config_path), "--port", str(port), *args],
+                   log_path=log_path, env={"PYTHONUNBUFFERED": "1", **(env or {})}, cwd=cwd,
+                   port=port, ready_url=f"http://127.0.0.1:{port}/healthz")
+
+
+# ---------------------------------------------------------------------- ranks
+class RankJob:
+    """N real gloo ranks of a training script, started without torchrun so each pid is known."""
+
+    def __init__(self, nproc: int, args: Sequence[str] = (), *, script: Path = EXAMPLE,
+                 env: Mapping[str, str] | None = None, log_dir: Path | None = None,
+                 run: str = "test-run",
+                 rank_env: Callable[[int], dict[str, str]] | None = None) -> None:
+        self.nproc = nproc
+        self.port = free_port()
+        self.log_dir = log_dir
+        base = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self.port),
+                "WORLD_SIZE": str(nproc), "ROBUST_METRICS_RUN": run, "OMP_NUM_THREADS": "1",
+                "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.procs: list[subprocess.Popen[Any]] = []
+        for rank in range(nproc):
+            per_rank = rank_env(rank) if rank_env else {}  # e.g. a node name per rank
+            self.procs.append(spawn(
+                [sys.executable, str(script), *args],
+                env={**base, "RANK": str(rank), "LOCAL_RANK": str(rank), **per_rank},
+                log_path=log_dir / f"rank{rank}.log" if log_dir else None, append=False))
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def wait(self, timeout: float = 120) -> list[int]:
+        """Wait for every rank; their exit codes (all are killed and ServiceError raised on
+        timeout)."""
+        deadline = time.monotonic() + timeout
+        try:
+            return [p.wait(timeout=max(0.1, deadline - time.monotonic())) for p in self.procs]
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise ServiceError(f"ranks did not finish in {timeout}s\n{self.logs()}") from None
+
+    def logs(self) -> str:
+        if not self.log_dir:
+            return ""
+        return "\n".join(f"--- rank {r} ---\n" + (self.log_dir / f"rank{r}.log").read_text(
+            errors="replace")[-3000:] for r in range(self.nproc))
+
+    def kill(self) -> None:
+        for p in self.procs:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(p.pid, signal.SIGKILL)
+        for p in self.procs:
+            with contextlib.suppress(Exception):
+                p.wait(timeout=10)
+
+    def __enter__(self) -> RankJob:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.kill()

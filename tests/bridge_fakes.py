@@ -12,7 +12,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -23,6 +22,7 @@ from typing import Any
 import httpx
 import yaml
 
+from robust_metrics import processes
 from robust_metrics.bridge.signing import verify
 from tests.support import ROOT, free_port, wait_until
 
@@ -211,38 +211,30 @@ class BridgeProcess:
     def __init__(self, config_path: Path, port: int, token: str, log_path: Path) -> None:
         self.port, self.token, self.log_path = port, token, log_path
         self.config_path = config_path
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.service = processes.bridge(config_path, port=port, log_path=log_path, cwd=ROOT)
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return self.service.url
+
+    @property
+    def proc(self) -> subprocess.Popen[bytes] | None:
+        return self.service.proc
 
     def start(self, timeout: float = 30) -> None:
-        log = open(self.log_path, "ab")  # noqa: SIM115 - closed with the process
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "robust_metrics", "bridge", "--config",
-             str(self.config_path), "--port", str(self.port)],
-            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        log.close()
-        wait_until(lambda: httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200,
-                   timeout, message=f"bridge on port {self.port}\n{self.log()}")
+        self.service.start(timeout)
 
     def log(self) -> str:
-        return self.log_path.read_text(errors="replace")[-4000:] if self.log_path.exists() else ""
+        return self.service.log_tail()
 
     def kill9(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGKILL)  # the bridge only, not what it started
-            self.proc.wait(timeout=10)
+        proc = self.service.proc
+        if proc and proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)  # the bridge only, not what it started
+            proc.wait(timeout=10)
 
     def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.kill9()
+        self.service.stop(timeout=15)
 
     def actions(self, **params: str) -> list[dict[str, Any]]:
         r = httpx.get(f"{self.url}/api/v1/actions", params=params,

@@ -2,6 +2,8 @@ from __future__ import annotations
 
 import pytest
 
+pytest_plugins = ["tests.process_check"]
+
 
 def _gpu_available() -> bool:
     try:

@@ -14,14 +14,13 @@ from typing import Any
 
 import httpx
 import pytest
-import yaml
 
 from robust_metrics.bridge.app import create_app
 from robust_metrics.bridge.config import parse
 from robust_metrics.bridge.service import Bridge
-from robust_metrics.processes import stop_process_group
+from robust_metrics.processes import alertmanager
 from tests.bridge_fakes import Receiver, serve_app
-from tests.support import free_port, require_binary, wait_until
+from tests.support import require_binary, wait_until
 
 pytestmark = pytest.mark.integration
 TOKEN = "am-bridge-token"
@@ -58,7 +57,7 @@ class Stack:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    am_bin = require_binary("prometheus-alertmanager", "alertmanager")
+    require_binary("prometheus-alertmanager", "alertmanager")
     amtool = require_binary("amtool")
     tmp = tmp_path_factory.mktemp("am")
     with Receiver(secret="s3cret") as hook, Receiver(secret="s3cret") as pager:
@@ -74,7 +73,6 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             ],
         }
         with serve_app(create_app(Bridge(parse(raw, tmp)))) as bridge:
-            port = free_port()
             config = {
                 "route": {"receiver": "bridge", "group_by": ["alertname", "run"],
                           "group_wait": "1s", "group_interval": "1s", "repeat_interval": "2s"},
@@ -84,22 +82,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
                     "http_config": {"authorization": {"type": "Bearer",
                                                       "credentials": TOKEN}}}]}],
             }
-            (tmp / "am.yml").write_text(yaml.safe_dump(config))
-            log = open(tmp / "am.log", "wb")  # noqa: SIM115
-            am = subprocess.Popen(
-                [am_bin, f"--config.file={tmp / 'am.yml'}", f"--storage.path={tmp / 'data'}",
-                 f"--web.listen-address=127.0.0.1:{port}", "--cluster.listen-address=",
-                 "--log.level=warn"], stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True)
-            try:
-                url = f"http://127.0.0.1:{port}"
-                wait_until(lambda: am.poll() is None and httpx.get(
-                    f"{url}/-/ready", timeout=1).status_code == 200, 30,
-                    message=f"Alertmanager ready: {(tmp / 'am.log').read_text()[-2000:]}")
-                yield Stack(bridge, url, amtool, hook, pager)
-            finally:
-                stop_process_group(am)
-                log.close()
+            with alertmanager(tmp / "am", config) as am:
+                yield Stack(bridge, am.url, amtool, hook, pager)
 
 
 def test_action_runs_once_despite_resends_and_grouping(stack: Stack) -> None:

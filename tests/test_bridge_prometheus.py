@@ -10,47 +10,31 @@ rank's `robust_checkpoint_request_id` at or above the request id (`ack_source: p
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
-import httpx
 import pytest
-import yaml
 
 from robust_metrics.bridge.app import create_app
 from robust_metrics.bridge.config import parse
 from robust_metrics.bridge.service import Bridge
-from robust_metrics.processes import stop_process_group
 from tests.bridge_fakes import FakeSidecar, alert, serve_app, webhook
 from tests.prometheus_fixture import PrometheusServer, wait_for_series
-from tests.support import EXAMPLE, free_port, require_binary, wait_until
+from tests.support import EXAMPLE, free_port, wait_until
 
 pytestmark = pytest.mark.integration
 TOKEN = "prom-token"
 
 
 def test_checkpoint_with_nodes_and_acks_from_prometheus(tmp_path: Path) -> None:
-    prom_bin = require_binary("prometheus")
     with FakeSidecar(node="n1", run="r1", ranks=[0, 1], ack_delay_s=1.0) as s1, \
             FakeSidecar(node="n2", run="r1", ranks=[2, 3], ack_delay_s=1.0) as s2, \
             FakeSidecar(node="n3", run="other", ranks=[0]) as s3:
-        port = free_port()
         targets = [u.removeprefix("http://") for u in (s1.url, s2.url, s3.url)]
-        (tmp_path / "prom.yml").write_text(yaml.safe_dump({
-            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-            "scrape_configs": [{"job_name": "sidecars",
-                                "static_configs": [{"targets": targets}]}]}))
-        log = open(tmp_path / "prom.log", "wb")  # noqa: SIM115
-        prom = subprocess.Popen(
-            [prom_bin, f"--config.file={tmp_path / 'prom.yml'}",
-             f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}"],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            url = f"http://127.0.0.1:{port}"
-            wait_until(lambda: httpx.get(f"{url}/api/v1/query", params={
-                "query": "count(robust_rank_info) == 5"}, timeout=2).json()["data"]["result"], 60,
-                message="Prometheus to scrape the sidecars")
+        with PrometheusServer(tmp_path / "prom", targets, job="sidecars") as prom:
+            url = prom.url
+            wait_until(lambda: prom.query("count(robust_rank_info) == 5"), 60,
+                       message="Prometheus to scrape the sidecars")
             raw = {"database": str(tmp_path / "b.db"), "auth": {"bearer_token": TOKEN},
                    "prometheus": {"url": url},
                    "sidecars": {"urls": {"n1": s1.url, "n2": s2.url, "n3": s3.url},
@@ -72,9 +56,6 @@ def test_checkpoint_with_nodes_and_acks_from_prometheus(tmp_path: Path) -> None:
             assert sorted(step["data"]["acknowledged"]) == ["n1", "n2"]
             assert len(s1.checkpoint_requests) == len(s2.checkpoint_requests) == 1
             assert s3.checkpoint_requests == []
-        finally:
-            stop_process_group(prom, timeout=15)
-            log.close()
 
 
 def test_checkpoint_by_signal_waits_for_every_rank_to_acknowledge_in_prometheus(

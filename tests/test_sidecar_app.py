@@ -17,8 +17,8 @@ from starlette.testclient import TestClient
 
 from robust_metrics.rankfolder import control
 from robust_metrics.sidecar.auth import load_web_config
+from robust_metrics.sidecar.cli import EXIT_BIND, EXIT_CONFIG, build
 from robust_metrics.sidecar.config import ConfigError, SidecarConfig, parse_listen
-from robust_metrics.sidecar.main import EXIT_BIND, EXIT_CONFIG, build
 from tests.support import ROOT, SidecarProcess, require_binary, wait_until
 
 TOKEN = "s3cret-token"
@@ -53,7 +53,7 @@ def test_importing_and_building_the_sidecar_never_imports_torch_or_the_hook(
         tmp_path: Path) -> None:
     code = (
         "import sys\n"
-        "from robust_metrics.sidecar.main import build\n"
+        "from robust_metrics.sidecar.cli import build\n"
         "from robust_metrics.sidecar.config import SidecarConfig\n"
         "import robust_metrics.sidecar.collectors, robust_metrics.sidecar.app\n"
         f"app, folder, _ = build(SidecarConfig(directory={str(tmp_path / 'm')!r}, "
@@ -234,7 +234,7 @@ def test_tls_from_web_config(tmp_path: Path) -> None:
 
         def ready() -> bool:
             if sidecar.proc.poll() is not None:
-                raise AssertionError(sidecar.output())
+                raise AssertionError(sidecar.log_tail())
             return httpx.get(f"{url}/healthz", verify=trust, timeout=2).status_code == 200
 
         wait_until(ready, timeout=30, message="TLS sidecar")
@@ -253,8 +253,8 @@ def test_sigterm_stops_the_sidecar_and_releases_the_archive(tmp_path: Path) -> N
         sidecar.wait_ready()
         sidecar.proc.send_signal(15)
         code = sidecar.proc.wait(timeout=15)
-        assert code in (0, -15), sidecar.output()  # uvicorn re-raises the signal after shutdown
-        assert "Traceback" not in sidecar.output()
+        assert code in (0, -15), sidecar.log_tail()  # uvicorn re-raises the signal after shutdown
+        assert "Traceback" not in sidecar.log_tail()
     finally:
         sidecar.stop()
     _, folder, _ = build(make_config(tmp_path))  # make_config's folder is tmp_path/metrics

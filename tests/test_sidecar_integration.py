@@ -20,6 +20,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from robust_metrics.processes import spawn
 from tests.support import ROOT, RankJob, SidecarProcess, require_binary, wait_until
 
 pytestmark = pytest.mark.integration
@@ -58,8 +59,7 @@ class Writer:
                 "--steps", str(steps)]
         if forever:
             args.append("--forever")
-        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     start_new_session=True, cwd=ROOT)
+        self.proc = spawn(args, stdout=subprocess.PIPE, cwd=ROOT)
         line = self.proc.stdout.readline().decode()  # type: ignore[union-attr]
         if not line.startswith("ready"):
             self.kill()

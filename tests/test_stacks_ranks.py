@@ -147,7 +147,7 @@ def test_through_the_sidecar_and_prometheus_with_one_sidecar_unreachable(
         sidecar.wait_ready()
         code, report = stacks_json(sidecar.url, f"http://{unreachable}", "--token-file",
                                    str(token), "--samples", "2", "--interval", "0.3")
-        assert code == 1, (report, sidecar.output())
+        assert code == 1, (report, sidecar.log_tail())
         assert report["suspect_ranks"] == [2] and report["nodes"] == ["gpu-node-7"]
         assert report["ranks_analysed"] == 4
         # the same identity and topology as read from the folder itself (node: the sidecar's name)

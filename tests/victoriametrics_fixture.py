@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-
 from robust_metrics.demo.services import Service
+
 from tests.prometheus_fixture import QueryAPI
 from tests.support import free_port, require_binary
 

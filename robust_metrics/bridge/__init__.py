@@ -7,7 +7,7 @@ Run it with ``robust-metrics bridge --config bridge.yaml`` (docs/bridge.md). Mod
 - `store`: the SQLite (WAL) action log, persists decisions;  - `actions`: what each action does;
 - `engine`: worker threads that claim and run decided plans;
 - `sidecars`: sidecar and Prometheus client;            - `signing`: HMAC-SHA256 for webhooks;
-- `service`: the `Bridge` object;  `app`: HTTP routes;  `main`: the CLI;
+- `service`: the `Bridge` object;  `app`: HTTP routes;  `cli`: the CLI;
 - `schedulers/`: adapters chosen by name (`local`, `webhook`, `slurm`, `kubernetes`).
 
 Nothing here imports torch.

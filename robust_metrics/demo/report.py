@@ -5,14 +5,20 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from robust_metrics.demo.scenario import FaultRecord
 from robust_metrics.demo.stack import RUN, DemoStack
+from robust_metrics.processes import ServiceError
 from robust_metrics.tables import render_table
 
-__all__ = ["summary_table", "write_report"]
+__all__ = ["QUERY_ERRORS", "Report", "alerts_fired", "ettr", "summary_table", "write_report"]
+
+# What a failed query raises: Prometheus refused it or could not be reached (ServiceError), or
+# answered something that is not a query result.
+QUERY_ERRORS = (ServiceError, OSError, KeyError, ValueError, IndexError, TypeError)
 
 log = logging.getLogger(__name__)
 
@@ -21,26 +27,42 @@ def _clock(ts: float | None) -> str:
     return "-" if ts is None else datetime.datetime.fromtimestamp(ts).strftime("%H:%M:%S")
 
 
+@dataclass(frozen=True)
+class Report:
+    """What `write_report` wrote, and what it could not: failed queries make it incomplete."""
+
+    page: Path
+    errors: list[str]
+    alerts_fired: list[dict[str, str]] | None  # None: the query failed (never "no alerts")
+
+
+SUMMARY_HEADER = ("fault", "target", "injected", "detected", "latency", "alert", "actions",
+                  "result")
+
+
 def summary_table(records: list[FaultRecord]) -> str:
+    """The plain-text table printed at the end: a header row, a rule, one row per fault."""
     rows = [[r.fault.name, f"rank {r.fault.rank}", _clock(r.injected_at), _clock(r.detected_at),
              "-" if r.latency is None else f"{r.latency:.1f} s",
              f"{r.fault.alert} rank={r.alert_rank or '-'}", ", ".join(r.actions) or "-",
              r.result] for r in records]
-    return render_table(["fault", "target", "injected", "detected", "latency", "alert",
-                         "actions", "result"], rows)
+    return render_table(SUMMARY_HEADER, rows)
 
 
-def _scalar(stack: DemoStack, expr: str) -> float | None:
+def _scalar(stack: DemoStack, expr: str, errors: list[str]) -> float | None:
+    """The query's value, None when it has no data; a failed query is added to `errors`."""
     try:
         result = stack.query(expr)
         return float(result[0]["value"][1]) if result else None
-    except (OSError, KeyError, ValueError, IndexError):
+    except QUERY_ERRORS as exc:
+        errors.append(f"query {expr} failed: {exc}")
         return None
 
 
-def ettr(stack: DemoStack) -> dict[str, float | None]:
-    return {"since_start": _scalar(stack, f'run:robust_ettr:ratio_since_start{{run="{RUN}"}}'),
-            "1h": _scalar(stack, f'run:robust_ettr:ratio1h{{run="{RUN}"}}')}
+def ettr(stack: DemoStack, errors: list[str]) -> dict[str, float | None]:
+    return {"since_start": _scalar(stack, f'run:robust_ettr:ratio_since_start{{run="{RUN}"}}',
+                                   errors),
+            "1h": _scalar(stack, f'run:robust_ettr:ratio1h{{run="{RUN}"}}', errors)}
 
 
 def _series_by_rank(stack: DemoStack, expr: str, start: float, end: float,
@@ -117,21 +139,23 @@ def _whatif(trace_dir: Path, out: Path) -> dict[str, Any] | None:
 
 
 def alerts_fired(stack: DemoStack, started: float, ended: float) -> list[dict[str, str]]:
-    """Every (alertname, rank) that fired for the run between `started` and `ended`."""
+    """Every (alertname, rank) that fired for the run between `started` and `ended`.
+
+    A failed query raises (one of QUERY_ERRORS): "no alerts" must mean Prometheus said so.
+    """
     window = max(1, int(ended - started) + 1)
-    try:
-        result = stack.query(f'group by (alertname, rank) (max_over_time(ALERTS{{run="{RUN}", '
-                             f'alertstate="firing"}}[{window}s]))')
-    except (OSError, KeyError, ValueError):
-        return []
+    result = stack.query(f'group by (alertname, rank) (max_over_time(ALERTS{{run="{RUN}", '
+                         f'alertstate="firing"}}[{window}s]))')
     return sorted(({k: v for k, v in r["metric"].items()} for r in result),
                   key=lambda a: (a.get("alertname", ""), a.get("rank", "")))
 
 
 def write_report(stack: DemoStack, records: list[FaultRecord], started: float, ended: float,
-                 out: Path, resumed_from: int | None) -> Path:
-    """Write plots, `report.json` and `README.md` into `out`; returns the page's path."""
+                 out: Path, resumed_from: int | None) -> Report:
+    """Write plots, `report.json` and `README.md` into `out`. The queries that failed are in
+    the result's `errors` (the report is incomplete, and the demo's exit status says so)."""
     out.mkdir(parents=True, exist_ok=True)
+    errors: list[str] = []
     step = 2.0
     window = "10s"
     sel = f'run="{RUN}"'
@@ -151,6 +175,10 @@ def write_report(stack: DemoStack, records: list[FaultRecord], started: float, e
     for name, (plot, expr, title) in plots.items():
         try:
             data = _series_by_rank(stack, expr, started, ended, step)
+        except QUERY_ERRORS as exc:
+            errors.append(f"query {expr} failed: {exc}")
+            continue
+        try:
             if plot is _plot_heatmap:
                 _plot_heatmap(data, started, step, out / name, title)
             else:
@@ -159,7 +187,13 @@ def write_report(stack: DemoStack, records: list[FaultRecord], started: float, e
         except Exception as exc:
             log.warning("plot %s failed: %s", name, exc)
     whatif = _whatif(stack.job_dir / "trace" / "from-step-0", out)  # the first launch
-    ettr_values = ettr(stack)
+    ettr_values = ettr(stack, errors)
+    try:
+        fired: list[dict[str, str]] | None = alerts_fired(stack, started, ended)
+    except QUERY_ERRORS as exc:
+        errors.append(f"the query for the alerts that fired failed: {exc}")
+        fired = None
+    incidents = _incidents(stack, errors)
     summary = summary_table(records)
     document = {
         "faults": [{"fault": r.fault.name, "rank": r.fault.rank, "alert": r.fault.alert,
@@ -167,7 +201,7 @@ def write_report(stack: DemoStack, records: list[FaultRecord], started: float, e
                     "detected_at": r.detected_at, "latency_s": r.latency, "actions": r.actions,
                     "result": r.result} for r in records],
         "ettr": ettr_values, "resumed_from_step": resumed_from, "whatif": whatif,
-        "alerts_fired": alerts_fired(stack, started, ended), "incidents": _incidents(stack),
+        "alerts_fired": fired, "incidents": incidents, "errors": errors,
         "started": started, "ended": ended,
     }
     (out / "report.json").write_text(json.dumps(document, indent=2, default=str))
@@ -183,19 +217,22 @@ def write_report(stack: DemoStack, records: list[FaultRecord], started: float, e
         lines += [f"What-if analysis of the sampled steps: slowdown S = {whatif['slowdown']:.3f} "
                   f"(mean step {whatif['t_original']:.3f} s, ideal {whatif['t_ideal']:.3f} s). "
                   "![what-if heatmap](whatif-heatmap.png)", ""]
+    if errors:
+        lines += ["## Errors", "", "This report is incomplete:", "",
+                  *[f"- {e}" for e in errors], ""]
     for name, title in written:
         lines += [f"## {title}", "", f"![{title}]({name})", ""]
     page = out / "README.md"
     page.write_text("\n".join(lines))
-    return page
+    return Report(page, errors, fired)
 
 
-def _incidents(stack: DemoStack) -> list[dict[str, Any]]:
+def _incidents(stack: DemoStack, errors: list[str]) -> list[dict[str, Any]] | None:
     try:
         return stack.actions()
-    except OSError as exc:
-        log.warning("could not read the bridge's actions: %s", exc)
-        return []
+    except QUERY_ERRORS as exc:
+        errors.append(f"could not read the bridge's actions: {exc}")
+        return None
 
 
 def _fmt(value: float | None) -> str:

@@ -15,7 +15,7 @@ from typing import Any
 
 from robust_metrics.demo.stack import RUN, DemoStack
 
-__all__ = ["FAULTS", "Fault", "FaultRecord", "Scenario"]
+__all__ = ["FAULTS", "Fault", "FaultRecord", "Scenario", "problems"]
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,28 @@ class FaultRecord:
     @property
     def latency(self) -> float | None:
         return None if self.detected_at is None else self.detected_at - self.injected_at
+
+
+def problems(records: list[FaultRecord], *, resumed_from: int | None,
+             healthy_alerts: list[str] | None = None) -> list[str]:
+    """What the demo promised and did not do: every fault caught by its alert naming the right
+    rank, the bridge's action done, after a restart the job training again from its checkpoint,
+    and on a run without faults no alert (`healthy_alerts`: those that fired on such a run).
+    Empty when the run kept every promise (exit status 0)."""
+    out = [f"{name} fired on a run without faults" for name in healthy_alerts or []]
+    for r in records:
+        f = r.fault
+        if r.detected_at is None:
+            out.append(f"{f.name}: {f.alert} did not fire")
+        elif r.alert_rank != str(f.rank):
+            out.append(f"{f.name}: {f.alert} named rank {r.alert_rank or '-'}, not rank {f.rank}")
+        elif f.action and r.result != "acted":
+            out.append(f"{f.name}: the bridge's {f.action} ended as '{r.result}' "
+                       f"({', '.join(r.actions) or 'no steps'})")
+    restarted = any(r.fault.action == "restart" and r.fault.stops_training for r in records)
+    if restarted and resumed_from is None:
+        out.append("the job did not resume from its checkpoint after the restart")
+    return out
 
 
 class Scenario:

@@ -20,8 +20,8 @@ from typing import Any
 
 import yaml
 
-from robust_metrics import rules
-from robust_metrics.demo.services import Service, find_binary, free_port
+from robust_metrics import processes, rules
+from robust_metrics.processes import Service, free_port
 
 __all__ = ["RUN", "DemoStack"]
 
@@ -41,6 +41,7 @@ class DemoStack:
     node: str = field(default_factory=socket.gethostname)
     token: str = field(default_factory=lambda: secrets.token_urlsafe(24))
     services: list[Service] = field(default_factory=list)
+    prometheus: processes.Prometheus | None = None
 
     def __post_init__(self) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -58,9 +59,14 @@ class DemoStack:
 
     # -- configuration ---------------------------------------------------------------------
     def write_configs(self) -> None:
+        """The rules and the bridge's policy; Prometheus and Alertmanager get theirs in `start`."""
         groups = rules.load_groups(time_scale=TIME_SCALE)
         (self.folder / "rules.yml").write_text(rules.render(groups))
-        (self.folder / "prometheus.yml").write_text(yaml.safe_dump({
+        (self.folder / "bridge.yaml").write_text(yaml.safe_dump(self._bridge_config(),
+                                                                sort_keys=False))
+
+    def _prometheus_config(self) -> dict[str, Any]:
+        return {
             "global": {"scrape_interval": f"{SCRAPE_SECONDS}s",
                        "evaluation_interval": f"{SCRAPE_SECONDS}s",
                        "scrape_timeout": f"{SCRAPE_SECONDS}s"},
@@ -74,11 +80,7 @@ class DemoStack:
                 {"job_name": "robust-metrics-bridge",
                  "static_configs": [{"targets": [f"127.0.0.1:{self.ports['bridge']}"]}]},
             ],
-        }, sort_keys=False))
-        (self.folder / "alertmanager.yml").write_text(yaml.safe_dump(self._alertmanager_config(),
-                                                                     sort_keys=False))
-        (self.folder / "bridge.yaml").write_text(yaml.safe_dump(self._bridge_config(),
-                                                                sort_keys=False))
+        }
 
     def _alertmanager_config(self) -> dict[str, Any]:
         """The shipped routing example, pointed at this bridge, with demo-speed timers."""
@@ -131,30 +133,20 @@ class DemoStack:
     def start(self) -> None:
         """Write the configs and start Prometheus, Alertmanager, the sidecar and the bridge."""
         self.write_configs()
-        python = sys.executable
+        self.prometheus = processes.Prometheus(
+            self.folder / "prometheus", config=self._prometheus_config(),
+            port=self.ports["prometheus"], log_path=self.logs / "prometheus.log")
         specs = [
-            Service("sidecar", [python, "-m", "robust_metrics", "sidecar",
-                                f"--listen=127.0.0.1:{self.ports['sidecar']}",
-                                f"--dir={self.metrics_dir}", f"--node={self.node}",
-                                f"--token-file={self.token_file}", "--merge-after=5",
-                                "--no-collector.nccl"],
-                    self.logs / "sidecar.log", f"{self.url['sidecar']}/healthz"),
-            Service("bridge", [python, "-m", "robust_metrics", "bridge",
-                               f"--config={self.folder / 'bridge.yaml'}"],
-                    self.logs / "bridge.log", f"{self.url['bridge']}/healthz"),
-            Service("alertmanager", [
-                find_binary("prometheus-alertmanager", "alertmanager"),
-                f"--config.file={self.folder / 'alertmanager.yml'}",
-                f"--storage.path={self.folder / 'alertmanager-data'}",
-                f"--web.listen-address=127.0.0.1:{self.ports['alertmanager']}",
-                "--cluster.listen-address=", "--log.level=warn"],
-                self.logs / "alertmanager.log", f"{self.url['alertmanager']}/-/ready"),
-            Service("prometheus", [
-                find_binary("prometheus"), f"--config.file={self.folder / 'prometheus.yml'}",
-                f"--storage.tsdb.path={self.folder / 'prometheus-data'}",
-                f"--web.listen-address=127.0.0.1:{self.ports['prometheus']}",
-                "--log.level=warn"],
-                self.logs / "prometheus.log", f"{self.url['prometheus']}/-/ready"),
+            processes.sidecar(self.metrics_dir, [
+                f"--node={self.node}", f"--token-file={self.token_file}", "--merge-after=5",
+                "--no-collector.nccl"], port=self.ports["sidecar"],
+                log_path=self.logs / "sidecar.log"),
+            processes.bridge(self.folder / "bridge.yaml", port=self.ports["bridge"],
+                             log_path=self.logs / "bridge.log"),
+            processes.alertmanager(self.folder / "alertmanager", self._alertmanager_config(),
+                                   port=self.ports["alertmanager"],
+                                   log_path=self.logs / "alertmanager.log"),
+            self.prometheus,
         ]
         for service in specs:
             self.services.append(service.start())
@@ -186,19 +178,19 @@ class DemoStack:
 
     # -- queries ---------------------------------------------------------------------------
     def query(self, expr: str) -> list[dict[str, Any]]:
-        url = f"{self.url['prometheus']}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
-        with urllib.request.urlopen(url, timeout=5) as response:
-            return list(json.load(response)["data"]["result"])
+        """Instant query; ServiceError when Prometheus refuses it or cannot be reached."""
+        return self._prom().query(expr)
 
     def query_range(self, expr: str, start: float, end: float, step: float) -> list[dict[str, Any]]:
-        url = f"{self.url['prometheus']}/api/v1/query_range?" + urllib.parse.urlencode(
-            {"query": expr, "start": start, "end": end, "step": step})
-        with urllib.request.urlopen(url, timeout=15) as response:
-            return list(json.load(response)["data"]["result"])
+        return self._prom().query_range(expr, start, end, step)
 
     def firing_alerts(self) -> list[dict[str, Any]]:
-        with urllib.request.urlopen(f"{self.url['prometheus']}/api/v1/alerts", timeout=5) as r:
-            return [a for a in json.load(r)["data"]["alerts"] if a["state"] == "firing"]
+        return [a for a in self._prom().alerts() if a["state"] == "firing"]
+
+    def _prom(self) -> processes.Prometheus:
+        if self.prometheus is None:
+            raise processes.ServiceError("Prometheus is not started")
+        return self.prometheus
 
     def actions(self) -> list[dict[str, Any]]:
         request = urllib.request.Request(f"{self.url['bridge']}/api/v1/actions?run={RUN}")

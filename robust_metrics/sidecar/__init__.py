@@ -2,7 +2,7 @@
 
 Run it as `robust-metrics sidecar --dir $ROBUST_METRICS_DIR` (see docs/sidecar.md). Layout:
 
-- `config.py`: settings, loopback by default; `main.py`: the command line.
+- `config.py`: settings, loopback by default; `cli.py`: the command line.
 - `collector.py`: the one-method `Collector` interface and the registry that makes
   `--collector.NAME` flags and times each collector.
 - `collectors/`: one collector per file: `ranks`, `process`, `nvml`, `nic`, `nccl_ras`.

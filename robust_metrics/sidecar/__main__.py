@@ -3,7 +3,7 @@
 import argparse
 import sys
 
-from robust_metrics.sidecar.main import configure, run
+from robust_metrics.sidecar.cli import configure, run
 
 parser = argparse.ArgumentParser(prog="python -m robust_metrics.sidecar",
                                  description="robust-metrics node sidecar")

@@ -152,7 +152,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         time.sleep(10)
         yield Stack(prom, fault_seen_at)
     except AssertionError as exc:
-        logs = ((job.logs() if job else "") + "\n--- sidecar ---\n" + sidecar.output()
+        logs = ((job.logs() if job else "") + "\n--- sidecar ---\n" + sidecar.log_tail()
                 + "\n--- bridge ---\n" + bridge.log())
         raise AssertionError(f"{exc}\n{logs}\n--- prometheus ---\n{prom.logs()}") from None
     finally:

@@ -33,7 +33,7 @@ def test_online_estimate_and_simulator_agree_on_the_slow_rank(tmp_path: Path) ->
     args = ["--steps", "1000000", "--slow-rank", str(SLOW), "--slow-seconds", "0.05"]
     with RankJob(4, args, script=JOB, env=env, log_dir=tmp_path, run=RUN) as job, \
             PrometheusServer(tmp_path / "prometheus", [f"127.0.0.1:{port + r}" for r in range(4)],
-                             rule_files=[rule_file]).start() as prom:
+                             rule_files=[rule_file]) as prom:
         prom.wait_for_targets_up(4, timeout=60)
         started = time.monotonic()
 

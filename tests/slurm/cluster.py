@@ -30,6 +30,7 @@ from pathlib import Path
 
 import pytest
 
+from robust_metrics.processes import spawn
 from tests.support import free_port, wait_until
 
 __all__ = ["SlurmCluster", "SlurmUnavailable", "missing_binaries", "slurm_cluster"]
@@ -148,13 +149,8 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 """)
 
     def _spawn(self, name: str, argv: list[str], extra_env: dict[str, str] | None = None) -> None:
-        out = open(self.log_dir / f"{name}.out", "wb")  # noqa: SIM115 - owned by the child
-        try:
-            self.procs[name] = subprocess.Popen(
-                argv, env={**self.env, **(extra_env or {})}, stdout=out,
-                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-        finally:
-            out.close()
+        self.procs[name] = spawn(argv, env={**self.env, **(extra_env or {})}, inherit_env=False,
+                                 log_path=self.log_dir / f"{name}.out", append=False)
         time.sleep(0.05)
         code = self.procs[name].poll()
         if code is not None:

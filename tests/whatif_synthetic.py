@@ -1,4 +1,4 @@
-"""Synthetic traces with known causes, for tests, the benchmark and the demo.
+"""Synthetic traces with known causes, for the what-if tests and benchmark (not shipped).
 
 A small executor runs a Megatron-style 1F1B schedule (PP x DP, no interleaving) as per-stage
 programs: compute ops run back to back; p2p ops are posted in batches (like Megatron's batched

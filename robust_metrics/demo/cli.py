@@ -19,8 +19,9 @@ from types import FrameType
 
 from robust_metrics.demo.console import make_console
 from robust_metrics.demo.report import summary_table, write_report
-from robust_metrics.demo.scenario import Scenario
+from robust_metrics.demo.scenario import Scenario, problems
 from robust_metrics.demo.stack import RUN, DemoStack
+from robust_metrics.processes import ServiceError
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -75,19 +76,26 @@ def run(args: argparse.Namespace) -> int:
             scenario.play()
             resumed = scenario.wait_for_resume()
         console.stop()
-        page = write_report(stack, scenario.records, started, time.time(), folder / "report",
-                            resumed)
+        report = write_report(stack, scenario.records, started, time.time(),
+                              folder / "report", resumed)
         print()
         if scenario.records:
             print(summary_table(scenario.records))
-        print(f"\nreport: {page}")
+        print(f"\nreport: {report.page}")
         if args.keep_running:
             say("everything keeps running; Ctrl-C to stop")
             while True:
                 time.sleep(3600)
-        missed = [r for r in scenario.records if r.detected_at is None or
-                  r.alert_rank != str(r.fault.rank)]
-        return 1 if missed else 0
+        healthy = sorted({a.get("alertname", "") for a in report.alerts_fired or []}) \
+            if args.no_faults else None
+        failed = problems(scenario.records, resumed_from=resumed,
+                          healthy_alerts=healthy) + report.errors
+        for problem in failed:
+            print(f"demo: FAILED: {problem}", file=sys.stderr)
+        return 1 if failed else 0
+    except (ServiceError, TimeoutError) as exc:
+        say(f"demo: FAILED: {exc}")
+        return 1
     except KeyboardInterrupt:
         say("interrupted; stopping everything")
         return 130
