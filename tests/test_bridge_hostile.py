@@ -212,6 +212,9 @@ def test_a_log_written_before_the_header_existed_still_opens(tmp_path: Path) -> 
         store.close()
     store = ActionStore(str(tmp_path / "new.db"))  # a path that does not exist: a new log
     store.close()
+    # Written beside the path and linked into place: nothing else is left, and it opens again.
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("new")) == ["new.db"]
+    ActionStore(str(tmp_path / "new.db")).close()
 
 
 # ----------------------------------------------------------------------------- keys and label text
