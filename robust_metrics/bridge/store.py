@@ -101,8 +101,12 @@ def _create_log(path: str) -> None:
         os.link(tmp, path)  # never replaces a log another process created meanwhile
     except FileExistsError:
         pass
+    except OSError:  # a file system without hard links
+        if not os.path.exists(path):
+            os.rename(tmp, path)
     finally:
-        os.unlink(tmp)
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def _open_log(path: str) -> sqlite3.Connection:
