@@ -58,13 +58,16 @@ class SidecarEndpoints:
     A `node` label comes from the alert, and through `robust_rank_info` from the job itself: it
     names a node and never addresses one. The URL of a node is its entry in `urls`, or
     `url_template` for a node that is a strict host name *and* is in `nodes` or matches `node_re`;
-    any other name has no URL, so the bearer token goes only to configured hosts.
+    else, with `discovery_job`, the target of that Prometheus scrape job whose `node` or
+    `instance` label is the name (looked up by `SidecarClient`). Any other name has no URL, so the
+    bearer token goes only to configured or discovered sidecars.
     """
 
     url_template: str = DEFAULT_SIDECAR_TEMPLATE
     urls: Mapping[str, str] = field(default_factory=dict)
     nodes: frozenset[str] = frozenset()
     node_re: re.Pattern[str] | None = None
+    discovery_job: str | None = None  # Prometheus scrape job of the sidecars
     token: str | None = None
     timeout_s: float = 5.0
     ack_source: str = "sidecar"  # or "prometheus"
@@ -320,8 +323,8 @@ def _schedulers(raw: Any, base: Path) -> dict[str, SchedulerConfig]:
 
 def _sidecars(side: Mapping[str, Any], base: Path, prometheus_url: str | None,
               configured: bool) -> SidecarEndpoints:
-    _only(side, {"url_template", "urls", "nodes", "node_re", "token", "token_file", "token_env",
-                 "timeout_s", "ack_source", "ack_poll_s"}, "sidecars")
+    _only(side, {"url_template", "urls", "nodes", "node_re", "discovery_job", "token",
+                 "token_file", "token_env", "timeout_s", "ack_source", "ack_poll_s"}, "sidecars")
     urls = _mapping(side.get("urls"), "sidecars.urls")
     for node, url in urls.items():
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
@@ -345,6 +348,10 @@ def _sidecars(side: Mapping[str, Any], base: Path, prometheus_url: str | None,
         raise ConfigError("sidecars.url_template: name the hosts it may address in "
                           "sidecars.nodes or sidecars.node_re (alert labels come from jobs; the "
                           "sidecar token goes only to configured hosts)")
+    discovery_job = _str(side, "discovery_job", "sidecars")
+    if discovery_job is not None and not prometheus_url:
+        raise ConfigError("sidecars.discovery_job: needs prometheus.url (the sidecars are that "
+                          "Prometheus's scrape targets)")
     ack_source = _str(side, "ack_source", "sidecars", "sidecar")
     if ack_source not in ("sidecar", "prometheus"):
         raise ConfigError(f"sidecars.ack_source: choose sidecar or prometheus, not {ack_source!r}")
@@ -352,6 +359,7 @@ def _sidecars(side: Mapping[str, Any], base: Path, prometheus_url: str | None,
         raise ConfigError("sidecars.ack_source is prometheus but prometheus.url is not set")
     return SidecarEndpoints(
         url_template=template, urls=dict(urls), nodes=frozenset(nodes_raw), node_re=node_re,
+        discovery_job=discovery_job,
         token=resolve_secret(side, "token", "sidecars", base),
         timeout_s=float(_num(side, "timeout_s", "sidecars", 5.0)), ack_source=ack_source,
         ack_poll_s=float(_num(side, "ack_poll_s", "sidecars", 1.0)),

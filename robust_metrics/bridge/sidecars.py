@@ -5,14 +5,18 @@ The sidecar offers `POST /control/checkpoint` (bearer token; body `{"at_step": n
 and `/metrics`, where each rank's `robust_checkpoint_request_id` acknowledges the newest checkpoint
 request it has handled. Nodes of a run come from the alert (`node`, or `nodes` comma-separated) or
 from Prometheus (`robust_rank_info{run=...}`). Either way a job wrote the name: it is looked up in
-the configured sidecar hosts (`SidecarEndpoints.url`), and a name that is not one of them is never
-contacted, so the bearer token cannot be sent where a label points.
+the configured sidecar hosts (`SidecarEndpoints.url`) or, with `sidecars.discovery_job`, among
+the targets Prometheus scrapes in that job (service discovery the operator configured); a name
+that is neither is never contacted, so the bearer token cannot be sent where a label points.
 """
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Mapping
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -24,6 +28,8 @@ __all__ = ["SidecarClient", "SidecarError", "nodes_from_labels"]
 
 ACK_METRIC = schema.get("robust_checkpoint_request_id").name
 INFO_METRIC = schema.get("robust_rank_info").name
+TARGETS_TTL_S = 30.0  # how long a read of Prometheus's targets is reused
+TARGETS_MISS_TTL_S = 2.0  # re-read sooner for a node not found (a sidecar that just appeared)
 
 
 class SidecarError(RuntimeError):
@@ -52,6 +58,8 @@ class SidecarClient:
         self._http = httpx.Client(timeout=config.timeout_s, headers=headers,
                                   follow_redirects=False)
         self._prom = httpx.Client(timeout=config.timeout_s)
+        self._targets_lock = threading.Lock()
+        self._targets: tuple[float, list[tuple[Mapping[str, str], str]]] = (float("-inf"), [])
 
     def close(self) -> None:
         self._http.close()
@@ -94,12 +102,45 @@ class SidecarClient:
         return {r["metric"]["rank"]: float(r["value"][1]) for r in result
                 if "rank" in r.get("metric", {})}
 
+    def _scrape_targets(self, max_age_s: float) -> list[tuple[Mapping[str, str], str]]:
+        """(labels, base URL) of the active targets of `sidecars.discovery_job`, kept a while."""
+        with self._targets_lock:
+            read_at, targets = self._targets
+            if time.monotonic() - read_at < max_age_s:
+                return targets
+            try:
+                body = self._prom.get(f"{self.prometheus_url}/api/v1/targets",
+                                      params={"state": "active"}).json()
+                active = body["data"]["activeTargets"]
+            except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+                raise SidecarError(f"Prometheus targets unreadable: {exc!r}") from exc
+            targets = []
+            for t in active if isinstance(active, list) else []:
+                labels, scrape = t.get("labels") or {}, urlsplit(str(t.get("scrapeUrl", "")))
+                if labels.get("job") == self.config.discovery_job and scrape.scheme in (
+                        "http", "https") and scrape.hostname:
+                    targets.append((labels, f"{scrape.scheme}://{scrape.netloc}"))
+            self._targets = (time.monotonic(), targets)
+            return targets
+
+    def _discovered(self, node: str) -> str | None:
+        """The one sidecar target whose `node` (or `instance`) target label is `node`."""
+        for max_age_s in (TARGETS_TTL_S, TARGETS_MISS_TTL_S):
+            bases = {base for labels, base in self._scrape_targets(max_age_s)
+                     if node in (labels.get("node"), labels.get("instance"))}
+            if bases:
+                break
+        return bases.pop() if len(bases) == 1 else None
+
     # ------------------------------------------------------------------ sidecar
     def _call(self, method: str, node: str, path: str, **kwargs: Any) -> httpx.Response:
         base = self.config.url(node)
+        if base is None and self.config.discovery_job and self.prometheus_url:
+            base = self._discovered(node)
         if base is None:
             raise SidecarError(f"node {node!r} is not a configured sidecar host (sidecars.urls, "
-                               "sidecars.nodes or sidecars.node_re); not contacted")
+                               "sidecars.nodes, sidecars.node_re or one target of "
+                               "sidecars.discovery_job); not contacted")
         url = base.rstrip("/") + path
         try:
             response = self._http.request(method, url, **kwargs)

@@ -86,9 +86,38 @@ def _move_aside_hint(path: str) -> str:
             "(see 'The action log' in docs/bridge.md)")
 
 
+def _create_log(path: str) -> None:
+    """Write a new, complete log beside `path` and link it into place: a log file that exists
+    was whole when it appeared, so one without its tables can only have been damaged since."""
+    tmp = f"{path}.new-{os.getpid()}"
+    db = sqlite3.connect(tmp, isolation_level=None)
+    try:
+        db.execute("PRAGMA journal_mode=WAL")
+        db.executescript(f"BEGIN; {_SCHEMA} INSERT INTO meta (key, value) "
+                         f"VALUES ('format', '{LOG_FORMAT}'); COMMIT;")
+    finally:
+        db.close()  # the last connection: the WAL is checkpointed into the file and removed
+    try:
+        os.link(tmp, path)  # never replaces a log another process created meanwhile
+    except FileExistsError:
+        pass
+    except OSError:  # a file system without hard links
+        if not os.path.exists(path):
+            os.rename(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
 def _open_log(path: str) -> sqlite3.Connection:
     """Connect, check integrity and identity, create the schema; ActionLogError when unusable."""
     existed = path != ":memory:" and os.path.exists(path)
+    if path != ":memory:" and not existed:
+        try:
+            _create_log(path)
+        except (OSError, sqlite3.Error) as exc:
+            raise ActionLogError(f"action log {path}: cannot create it: {exc}") from None
+        existed = True
     try:
         db = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=30)
     except sqlite3.Error as exc:

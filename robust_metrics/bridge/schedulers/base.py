@@ -88,7 +88,7 @@ def check_keys(config: Mapping[str, Any], allowed: Iterable[str], scheduler: str
     unknown = sorted(set(config) - known)
     if unknown:
         raise ConfigError(f"{scheduler} scheduler: unknown key(s) {', '.join(unknown)} "
-                         f"(allowed: {', '.join(sorted(known - {'_base_dir'}))})")
+                          f"(allowed: {', '.join(sorted(known - {'_base_dir'}))})")
 
 
 _FACTORIES: dict[str, Callable[[Mapping[str, Any]], Scheduler]] = {}

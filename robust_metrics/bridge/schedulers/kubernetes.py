@@ -99,18 +99,18 @@ class KubernetesScheduler:
         kind = str(config.get("kind", "PyTorchJob"))
         if kind not in KINDS:
             raise ConfigError(f"kubernetes scheduler: `kind` is one of {', '.join(KINDS)}, "
-                             f"got {kind!r}")
+                              f"got {kind!r}")
         self.kind = KINDS[kind]
         if config.get("api_version"):  # e.g. jobset.x-k8s.io/v1alpha1 on an older JobSet
             group, _, version = str(config["api_version"]).rpartition("/")
             if group != self.kind.group or not version:
                 raise ConfigError(f"kubernetes scheduler: `api_version` must be "
-                                 f"{self.kind.group}/<version> for {kind}")
+                                  f"{self.kind.group}/<version> for {kind}")
             self.kind = JobKind(**{**self.kind.__dict__, "version": version})
         self.restart_strategy = str(config.get("restart_strategy", "delete_pods"))
         if self.restart_strategy not in ("delete_pods", "suspend"):
             raise ConfigError("kubernetes scheduler: `restart_strategy` is `delete_pods` or "
-                             f"`suspend`, got {self.restart_strategy!r}")
+                              f"`suspend`, got {self.restart_strategy!r}")
         self.grace_period_s = int(_number(config, "pod_grace_period_s", 30, minimum=0))
         self.suspend_timeout_s = _number(config, "suspend_timeout_s", 300, minimum=1)
         self.timeout_s = _number(config, "timeout_s", 30, minimum=1)
@@ -287,7 +287,7 @@ def _api_client(config: Mapping[str, Any]) -> Any:
     auth = str(config.get("auth", "auto"))
     if auth not in ("auto", "in_cluster", "kubeconfig"):
         raise ConfigError(f"kubernetes scheduler: `auth` is auto, in_cluster or kubeconfig, "
-                         f"got {auth!r}")
+                          f"got {auth!r}")
     if auth == "in_cluster" or (auth == "auto" and os.environ.get("KUBERNETES_SERVICE_HOST")
                                 and not config.get("kubeconfig")):
         configuration = client.Configuration()
@@ -300,7 +300,7 @@ def _api_client(config: Mapping[str, Any]) -> Any:
     path = _kubeconfig_path(config)
     if not path.exists():
         raise ConfigError(f"kubernetes scheduler: kubeconfig {path} not found (set `kubeconfig`, "
-                         "$KUBECONFIG, or run in a pod with `auth: in_cluster`)")
+                          "$KUBECONFIG, or run in a pod with `auth: in_cluster`)")
     try:
         api = kube_config.new_client_from_config(config_file=str(path),
                                                  context=config.get("context"),

@@ -74,7 +74,7 @@ class LocalScheduler:
         if not isinstance(command, list) or not command or not all(
                 isinstance(c, str) for c in command):
             raise ConfigError("local scheduler: `command` must be a non-empty list of strings "
-                             "(or one shell-quoted string)")
+                              "(or one shell-quoted string)")
         base = Path(str(config.get("_base_dir", ".")))
         self.command: list[str] = command
         self.cwd = str((base / str(config.get("cwd", "."))).resolve())

@@ -73,7 +73,7 @@ class SlurmScheduler:
         self.api_version = str(config.get("api_version", "v0.0.38"))
         if not _API_VERSION.match(self.api_version):
             raise ConfigError(f"slurm scheduler: `api_version` must look like v0.0.38, got "
-                             f"{self.api_version!r}")
+                              f"{self.api_version!r}")
         self.user = str(config.get("user") or getpass.getuser())
         # Read at each request, so a cron job that rotates the JWT needs no bridge restart.
         self._token = secret_ref(config, "token", "slurm scheduler", base) or Secret(
@@ -87,7 +87,7 @@ class SlurmScheduler:
         self.signal_scope = str(config.get("signal_scope", "full"))
         if self.signal_scope not in ("full", "steps"):
             raise ConfigError(f"slurm scheduler: `signal_scope` is `full` or `steps`, got "
-                             f"{self.signal_scope!r}")
+                              f"{self.signal_scope!r}")
         self.scontrol = str(config.get("scontrol", "scontrol"))
         self.scancel = str(config.get("scancel", "scancel"))
         conf = config.get("slurm_conf")
