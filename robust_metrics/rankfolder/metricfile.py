@@ -130,6 +130,7 @@ class MetricFile:
             st = os.fstat(self._fd)
             if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
                 raise PermissionError(f"{path}: not a regular file of this user")
+            os.fchmod(self._fd, 0o644)  # readable by a sidecar without DAC_OVERRIDE, any umask
             os.ftruncate(self._fd, 0)  # a pid reused from a dead process starts afresh
             self._capacity = 0
             try:
