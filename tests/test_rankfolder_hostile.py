@@ -6,6 +6,7 @@ may make the sidecar read, write, block or dump what it should not.
 from __future__ import annotations
 
 import errno
+import io
 import json
 import os
 import shutil
@@ -16,12 +17,13 @@ import textwrap
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import redirect_stdout
 from pathlib import Path
 
 import pytest
 from starlette.testclient import TestClient
 
-from robust_metrics import schema
+from robust_metrics import cli, schema
 from robust_metrics.hooks.sinks import MultiprocessSink
 from robust_metrics.hooks.store import MetricStore
 from robust_metrics.rankfolder import control, metricfile, write_identity
@@ -345,6 +347,27 @@ def test_a_process_named_in_ranks_but_not_a_rank_is_never_dumped(
         (entry,) = response.json()["ranks"]
         assert entry["pid"] == victim.pid and entry["threads"] == []
         assert "not proven a rank" in entry["error"]
+    finally:
+        victim.kill()
+        victim.wait()
+
+
+def test_stacks_metrics_dir_never_dumps_a_process_that_is_not_a_rank(tmp_path: Path) -> None:
+    if find_py_spy() is None:
+        pytest.skip("py-spy not installed (pip install robust-metrics[sidecar])")
+    victim = subprocess.Popen([sys.executable, "-c", SECRET_HOLDER])
+    try:
+        time.sleep(0.5)
+        write_identity(str(tmp_path), run="r", rank=0, local_rank=0, node="n", world_size=1,
+                       pid=victim.pid)
+        out = io.StringIO()
+        with redirect_stdout(out):
+            code = cli.main(["stacks", "--metrics-dir", str(tmp_path), "--samples", "1",
+                             "--json"])
+        assert code == 3  # nothing could be analysed
+        assert "sk-do-not-leak" not in out.getvalue()
+        (error,) = json.loads(out.getvalue())["errors"]
+        assert error["rank"] == 0 and "not proven a rank" in error["error"]
     finally:
         victim.kill()
         victim.wait()
