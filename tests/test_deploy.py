@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+import stat
 import subprocess
 from pathlib import Path
 
+import pytest
 import yaml
 
 from robust_metrics import rules
@@ -29,7 +32,11 @@ def test_daemonset_can_see_ranks_dump_stacks_and_read_sysfs_read_only() -> None:
     pod = kinds["DaemonSet"]["spec"]["template"]["spec"]
     assert pod["hostPID"] is True
     container = pod["containers"][0]
-    assert "SYS_PTRACE" in container["securityContext"]["capabilities"]["add"]
+    # SYS_PTRACE (stacks) and nothing else: the sidecar owns the folder it removes files from
+    assert container["securityContext"]["capabilities"] == {"drop": ["ALL"],
+                                                            "add": ["SYS_PTRACE"]}
+    assert container["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert container["securityContext"]["allowPrivilegeEscalation"] is False
     mounts = {m["name"]: m for m in container["volumeMounts"]}
     assert mounts["sys"]["readOnly"] is True
     assert "--path.sysfs=/host/sys" in container["args"]
@@ -38,6 +45,31 @@ def test_daemonset_can_see_ranks_dump_stacks_and_read_sysfs_read_only() -> None:
     assert port == container["ports"][0]["name"]
     labels = pod.get("labels") or kinds["DaemonSet"]["spec"]["template"]["metadata"]["labels"]
     assert kinds["Service"]["spec"]["selector"] == labels
+
+
+def _prolog(directory: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "ROBUST_METRICS_DIR": str(directory), "SLURM_JOB_ID": "41"}
+    return subprocess.run(["bash", str(DEPLOY / "slurm" / "prolog.sh")], env=env,
+                           capture_output=True, text=True, timeout=30, check=False)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the prolog runs as root (install -o root)")
+def test_slurm_prolog_makes_a_sticky_folder_nobody_lists_and_moves_planted_links_aside(
+        tmp_path: Path) -> None:
+    folder = tmp_path / "rm"
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    folder.mkdir()
+    (folder / "ranks").symlink_to(outside)  # planted by a job before the prolog ran
+    done = _prolog(folder)
+    assert done.returncode == 0, done.stderr
+    modes = {name: stat.S_IMODE((folder / name).lstat().st_mode)
+             for name in (".", "ranks", "control")}
+    assert modes == {".": 0o1733, "ranks": 0o1733, "control": 0o755}
+    assert not (folder / "ranks").is_symlink() and os.listdir(outside) == []
+    assert (folder / "ranks" / ".job-41").exists()
+    assert any(name.startswith("ranks.untrusted.") for name in os.listdir(folder))
+    assert _prolog(folder).returncode == 0  # a second job on the node
 
 
 def test_slurm_scripts_parse() -> None:
@@ -51,6 +83,14 @@ def test_systemd_unit_runs_the_sidecar_on_loopback() -> None:
     text = (DEPLOY / "systemd" / "robust-metrics-sidecar.service").read_text()
     assert "robust-metrics sidecar" in text and "--listen 127.0.0.1:9741" in text
     assert "RestartPreventExitStatus=2 3" in text
+    options = dict(line.split("=", 1) for line in text.splitlines()
+                   if "=" in line and not line.startswith("#") and not line.startswith(" "))
+    assert options["RuntimeDirectoryMode"] == "1733"
+    assert options["CapabilityBoundingSet"] == "CAP_SYS_PTRACE"
+    for hardening in ("NoNewPrivileges", "ProtectKernelTunables", "ProtectKernelModules",
+                      "ProtectControlGroups", "RestrictNamespaces", "RestrictSUIDSGID",
+                      "LockPersonality", "RestrictRealtime"):
+        assert options[hardening] == "yes", hardening
     analyzer = shutil.which("systemd-analyze")
     if analyzer:
         result = subprocess.run([analyzer, "verify", "--man=no", str(DEPLOY / "systemd" /

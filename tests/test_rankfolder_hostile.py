@@ -6,20 +6,24 @@ may make the sidecar read, write, block or dump what it should not.
 from __future__ import annotations
 
 import errno
+import io
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import redirect_stdout
 from pathlib import Path
 
 import pytest
 from starlette.testclient import TestClient
 
-from robust_metrics import schema
+from robust_metrics import cli, schema
 from robust_metrics.hooks.sinks import MultiprocessSink
 from robust_metrics.hooks.store import MetricStore
 from robust_metrics.rankfolder import control, metricfile, write_identity
@@ -348,6 +352,27 @@ def test_a_process_named_in_ranks_but_not_a_rank_is_never_dumped(
         victim.wait()
 
 
+def test_stacks_metrics_dir_never_dumps_a_process_that_is_not_a_rank(tmp_path: Path) -> None:
+    if find_py_spy() is None:
+        pytest.skip("py-spy not installed (pip install robust-metrics[sidecar])")
+    victim = subprocess.Popen([sys.executable, "-c", SECRET_HOLDER])
+    try:
+        time.sleep(0.5)
+        write_identity(str(tmp_path), run="r", rank=0, local_rank=0, node="n", world_size=1,
+                       pid=victim.pid)
+        out = io.StringIO()
+        with redirect_stdout(out):
+            code = cli.main(["stacks", "--metrics-dir", str(tmp_path), "--samples", "1",
+                             "--json"])
+        assert code == 3  # nothing could be analysed
+        assert "sk-do-not-leak" not in out.getvalue()
+        (error,) = json.loads(out.getvalue())["errors"]
+        assert error["rank"] == 0 and "not proven a rank" in error["error"]
+    finally:
+        victim.kill()
+        victim.wait()
+
+
 @pytest.mark.parametrize("timeout", ["nan", "inf", "-inf", "1e999"])
 def test_a_non_finite_stack_timeout_is_a_400(sidecar: tuple[TestClient, Path],
                                              timeout: str) -> None:
@@ -356,3 +381,60 @@ def test_a_non_finite_stack_timeout_is_a_400(sidecar: tuple[TestClient, Path],
                           headers={"Authorization": f"Bearer {TOKEN}"})
     assert response.status_code == 400
     assert "finite" in response.json()["error"]
+
+
+# -- the folder's modes: ranks create, nobody lists, only the sidecar controls -------------------
+NOBODY = 65534
+
+
+def _write_as_a_rank_of(uid: int, folder: str) -> int:
+    """In a forked child running as `uid` (umask 077): write an identity and a metric file the
+    way the hook does. Exit status 0: written, and the folder could not be listed."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            os.umask(0o077)  # a strict site umask must not hide the files from the sidecar
+            write_identity(folder, run="r", rank=0, local_rank=0, node="n", world_size=1)
+            store = MetricStore({"run": "r", "rank": "0"})
+            store.series(schema.STEPS_TOTAL).inc(4)
+            MultiprocessSink(folder).flush(store)
+            try:
+                os.listdir(folder)
+                code = 3
+            except PermissionError:
+                code = 0
+        except BaseException as exc:
+            os.write(2, f"rank as uid {uid} failed: {exc!r}\n".encode())
+        finally:
+            os._exit(code)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a rank as another user")
+def test_a_rank_of_another_user_writes_into_the_folder_it_cannot_list() -> None:
+    base = Path(tempfile.mkdtemp(prefix="rankfolder-"))  # pytest's tmp_path is root's alone
+    os.chmod(base, 0o755)
+    folder = base / "m"
+    rank_folder = RankFolder(str(folder))  # the sidecar sets the layout up
+    try:
+        assert _write_as_a_rank_of(NOBODY, str(folder)) == 0
+        snap = rank_folder.snapshot()
+        assert [(i.run, i.uid) for i in snap.identities.values()] == [("r", NOBODY)]
+        steps = [s.value for f in snap.families for s in f.samples
+                 if s.name == schema.STEPS_TOTAL.name]
+        assert steps == [4.0]
+    finally:
+        rank_folder.close()
+        shutil.rmtree(base)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give the file another owner")
+def test_a_checkpoint_request_written_by_another_job_is_ignored(tmp_path: Path) -> None:
+    control.write_checkpoint_request(str(tmp_path), request_id=7)
+    assert control.read_checkpoint_request(str(tmp_path)).id == 7
+    os.chown(tmp_path / "control" / "checkpoint.json", 4321, 4321)
+    assert read_checkpoint_request_safely(str(tmp_path)) is None

@@ -3,9 +3,29 @@
 # the node sidecar reads them. Set in slurm.conf:  Prolog=/etc/slurm/robust-metrics-prolog.sh
 # and TaskProlog=/etc/slurm/robust-metrics-task-prolog.sh (the task prolog exports the variables).
 # The sidecar itself runs as the systemd unit in deploy/systemd.
+#
+# Layout and modes (docs/security.md): the folder and ranks/ are root's, mode 1733: every job may
+# create its own files, no job may list the folder or remove or replace another job's files
+# (sticky bit). control/ (0755) and archive/ (0700) are the sidecar's alone. Anything else found
+# at these paths (a link, a folder made by a user) is moved aside, never followed or trusted.
 set -euo pipefail
 DIR=${ROBUST_METRICS_DIR:-/run/robust-metrics}
-install -d -m 1777 "$DIR" "$DIR/ranks"
+
+# a real directory owned by root, or moved aside and made again
+ensure_dir() {
+    local path=$1 mode=$2
+    if [ -L "$path" ] || { [ -e "$path" ] && [ "$(stat -c %u "$path")" != 0 ]; } \
+            || { [ -e "$path" ] && [ ! -d "$path" ]; }; then
+        mv -T -- "$path" "$path.untrusted.$(date +%s).$$"
+        logger -t robust-metrics-prolog "moved aside $path: not a root-owned directory" || true
+    fi
+    install -d -o root -g root -m "$mode" -- "$path"
+    chmod "$mode" -- "$path"   # install -d leaves an existing directory's mode alone
+}
+
+ensure_dir "$DIR" 1733
+ensure_dir "$DIR/ranks" 1733
+ensure_dir "$DIR/control" 0755
 # a job id is the run label; remember which jobs this node ran (the epilog removes it)
-touch "$DIR/ranks/.job-${SLURM_JOB_ID}"
+touch -- "$DIR/ranks/.job-${SLURM_JOB_ID}"
 exit 0

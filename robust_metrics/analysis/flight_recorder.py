@@ -37,10 +37,19 @@ class _PlainUnpickler(pickle.Unpickler):
                                      "dump (plain data only)")
 
 
+MAX_DUMP_BYTES = 256 << 20
+"""A Flight Recorder dump of 20,000 entries is a few MB; a larger file is refused unread."""
+
+
 def load_dump(path: str) -> tuple[int, dict[str, Any]]:
-    """(rank, dump) of one file; the rank is the dump's `rank` field or the file name's suffix."""
+    """(rank, dump) of one file; the rank is the dump's `rank` field or the file name's suffix.
+
+    Raises ValueError naming the file for anything that is not a well-formed dump.
+    """
     with open(path, "rb") as f:
-        raw = f.read()
+        raw = f.read(MAX_DUMP_BYTES + 1)
+    if len(raw) > MAX_DUMP_BYTES:
+        raise ValueError(f"{path}: larger than {MAX_DUMP_BYTES} bytes; not a Flight Recorder dump")
     try:
         dump = json.loads(raw)
     except ValueError:
@@ -55,24 +64,74 @@ def load_dump(path: str) -> tuple[int, dict[str, Any]]:
         m = _RANK_SUFFIX.search(os.path.basename(path))
         if not m:
             raise ValueError(f"{path}: no rank in the dump and none at the end of the file name")
-        rank = int(m.group(1))
-    return int(rank), dump
+        rank = m.group(1)
+    _clean(dump, path)  # a malformed dump is refused here, with the file named
+    return _rank(rank, path), dump
 
 
-def _group_ranks(dump: dict[str, Any], name: str) -> list[int] | None:
-    config = dump.get("pg_config") or {}
-    entry = config.get(name)
-    if entry is None and len(config) == 1:
-        entry = next(iter(config.values()))  # gloo keys its only group by ''
+def _rank(value: Any, where: str) -> int:
+    """A rank or sequence number: a non-negative integer below 2**63, else ValueError."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ValueError(f"{where}: {value!r} is not a rank or sequence number")
+    try:
+        number = int(value)
+    except ValueError:
+        raise ValueError(f"{where}: {value!r} is not a rank or sequence number") from None
+    if not 0 <= number < 1 << 63:
+        raise ValueError(f"{where}: {value!r} is out of range")
+    return number
+
+
+def _clean_entry(entry: Any, where: str) -> dict[str, Any]:
     if not isinstance(entry, dict):
-        return None
-    ranks = entry.get("ranks")
+        raise ValueError(f"{where}: an entry is {type(entry).__name__}, not an object")
+    pg = entry.get("process_group") or [str(entry.get("pg_id", "?")), ""]
+    if not isinstance(pg, (list, tuple)) or not pg:
+        raise ValueError(f"{where}: process_group {pg!r} is not a [name, description] pair")
+    seq = entry.get("collective_seq_id") or 0
+    return {"is_p2p": bool(entry.get("is_p2p")),
+            "process_group": [str(pg[0]), str(pg[1]) if len(pg) > 1 else ""],
+            "collective_seq_id": _rank(seq, f"{where}: collective_seq_id"),
+            "profiling_name": str(entry.get("profiling_name", "?"))}
+
+
+def _clean(dump: dict[str, Any], where: str) -> dict[str, Any]:
+    """The parts of a dump the analysis reads, type-checked: plain data of known shape."""
+    entries = [_clean_entry(e, where) for e in dump.get("entries") or []]
+    status: dict[str, int] = {}
+    raw_status = dump.get("pg_status") or {}
+    if not isinstance(raw_status, dict):
+        raise ValueError(f"{where}: pg_status is not an object")
+    for group, value in raw_status.items():
+        enqueued = value.get("last_enqueued_collective") if isinstance(value, dict) else None
+        if enqueued is not None and not (isinstance(enqueued, int) and enqueued < 0):
+            status[str(group)] = _rank(enqueued, f"{where}: last_enqueued_collective")
+    config: dict[str, list[int] | None] = {}
+    raw_config = dump.get("pg_config") or {}
+    if not isinstance(raw_config, dict):
+        raise ValueError(f"{where}: pg_config is not an object")
+    for group, value in raw_config.items():
+        config[str(group)] = _config_ranks(value, where)
+    return {"entries": entries, "pg_status": status, "pg_config": config}
+
+
+def _config_ranks(entry: Any, where: str) -> list[int] | None:
+    ranks = entry.get("ranks") if isinstance(entry, dict) else None
     if isinstance(ranks, str):
         try:
             ranks = json.loads(ranks)
         except ValueError:
             return None
-    return [int(r) for r in ranks] if isinstance(ranks, list) else None
+    if not isinstance(ranks, list):
+        return None
+    return [_rank(r, f"{where}: pg_config ranks") for r in ranks]
+
+
+def _group_ranks(dump: dict[str, Any], name: str) -> list[int] | None:
+    config = dump["pg_config"]
+    if name not in config and len(config) == 1:
+        return next(iter(config.values()))  # gloo keys its only group by ''
+    return config.get(name)
 
 
 def analyse_dumps(dumps: dict[int, dict[str, Any]]) -> dict[str, Any]:
@@ -85,21 +144,22 @@ def analyse_dumps(dumps: dict[int, dict[str, Any]]) -> dict[str, Any]:
     names: dict[tuple[str, int], str] = {}
     members: dict[str, set[int]] = defaultdict(set)
     descriptions: dict[str, str] = {}
-    for rank, dump in dumps.items():
-        for entry in dump.get("entries", []):
-            if entry.get("is_p2p"):
+    for key, raw in dumps.items():
+        rank = _rank(key, "Flight Recorder dump key")
+        if not isinstance(raw, dict):
+            raise ValueError(f"Flight Recorder dump of rank {rank} is not an object")
+        dump = _clean(raw, f"rank {rank}")
+        for entry in dump["entries"]:
+            if entry["is_p2p"]:
                 continue
-            pg = entry.get("process_group") or [str(entry.get("pg_id", "?")), ""]
-            group = str(pg[0])
-            descriptions.setdefault(group, str(pg[1]) if len(pg) > 1 else "")
-            seq = int(entry.get("collective_seq_id") or 0)
+            group, description = entry["process_group"]
+            descriptions.setdefault(group, description)
+            seq = entry["collective_seq_id"]
             if seq > last[group].get(rank, -1):
                 last[group][rank] = seq
-            names[(group, seq)] = str(entry.get("profiling_name", "?"))
-        for group, status in (dump.get("pg_status") or {}).items():
-            enqueued = status.get("last_enqueued_collective") if isinstance(status, dict) else None
-            if enqueued is not None and int(enqueued) >= 0:
-                last[str(group)][rank] = max(last[str(group)].get(rank, -1), int(enqueued))
+            names[(group, seq)] = entry["profiling_name"]
+        for group, enqueued in dump["pg_status"].items():
+            last[group][rank] = max(last[group].get(rank, -1), enqueued)
         for group in list(last):
             if rank in last[group]:
                 ranks = _group_ranks(dump, group)

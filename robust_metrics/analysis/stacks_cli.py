@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -41,21 +42,28 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def _positive(kind: type) -> Any:
+def _positive(kind: type, maximum: float) -> Any:
+    """An argparse type: a finite number in (0, maximum]; anything else is a usage error."""
     def parse(text: str) -> Any:
         try:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        if value <= 0:
+        if not math.isfinite(value) or value <= 0:
             raise argparse.ArgumentTypeError(f"{text!r} must be > 0")
+        if value > maximum:
+            raise argparse.ArgumentTypeError(f"{text!r} must be at most {maximum}")
         return value
 
     return parse
 
 
+MAX_PID = 1 << 22
+"""Linux's largest pid (pid_max cannot be set above 2**22)."""
+
+
 def _share(text: str) -> float:
-    value = _positive(float)(text)
+    value = _positive(float, math.inf)(text)
     if value > 1:
         raise argparse.ArgumentTypeError(f"{text!r} must be a fraction in (0, 1]")
     return float(value)
@@ -73,17 +81,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
     where.add_argument("--metrics-dir", metavar="DIR",
                        help="dump the ranks of this machine listed in DIR/ranks/*.json "
                             "(the ranks' ROBUST_METRICS_DIR) with py-spy")
-    where.add_argument("--pid", type=_positive(int), action="append", default=[],
+    where.add_argument("--pid", type=_positive(int, MAX_PID), action="append", default=[],
                        help="dump this local process with py-spy (repeatable)")
     parser.add_argument("--run", help="the run to analyse (needed when several are found)")
     parser.add_argument("--token", help="bearer token of the sidecars' /debug/stacks")
     parser.add_argument("--token-file", help="file holding the bearer token (preferred: a token "
                         "on the command line is visible in ps)")
-    parser.add_argument("--samples", type=_positive(int), default=3,
+    parser.add_argument("--samples", type=_positive(int, 1000), default=3,
                         help="dump rounds; with 2 or more a job whose stacks move is not hung")
-    parser.add_argument("--interval", type=_positive(float), default=0.5,
+    parser.add_argument("--interval", type=_positive(float, 3600), default=0.5,
                         help="seconds between the starts of two dump rounds")
-    parser.add_argument("--timeout", type=_positive(float), default=15.0,
+    parser.add_argument("--timeout", type=_positive(float, 3600), default=15.0,
                         help="seconds allowed for one round of one sidecar or of local dumps")
     parser.add_argument("--native", action="store_true",
                         help="include C/C++ frames (slower; for hangs inside extensions)")
@@ -150,8 +158,11 @@ def run(args: argparse.Namespace) -> int:
 
 def _token(args: argparse.Namespace) -> str | None:
     if args.token_file:
-        with open(args.token_file) as f:
-            token = f.read().strip()
+        try:
+            with open(args.token_file, encoding="utf-8") as f:
+                token = f.read(65536).strip()
+        except UnicodeDecodeError:
+            raise ValueError(f"--token-file {args.token_file}: not a text file") from None
         if not token:
             raise ValueError(f"--token-file {args.token_file}: the file is empty")
         return token

@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from robust_metrics.rankfolder.identity import read_identities
+from robust_metrics.rankfolder.proof import prove_rank
 
 __all__ = [
     "SourceError",
@@ -181,7 +182,9 @@ def _escape(value: str) -> str:
 def identities_from_dir(metrics_dir: str, run: str | None = None) -> dict[int, dict[str, Any]]:
     """`ranks/<pid>.json` files the hook writes in multiprocess mode, keyed by pid.
 
-    Each value has the identity's label fields (as the sidecar sends them) plus `started`.
+    Each value has the identity's label fields (as the sidecar sends them) plus `started`, and
+    `refused`: None when the pid is proven a rank of the folder (see `rankfolder.proof`), else
+    why it is not, in which case it must not be dumped.
     """
     try:
         found = read_identities(metrics_dir, run)
@@ -190,21 +193,30 @@ def identities_from_dir(metrics_dir: str, run: str | None = None) -> dict[int, d
                           "ROBUST_METRICS_DIR?") from None
     except OSError as exc:
         raise SourceError(f"cannot read {metrics_dir!r}/ranks: {exc}") from None
-    return {pid: {**ident.labels(), "pid": pid, "started": ident.started}
+    return {pid: {**ident.labels(), "pid": pid, "started": ident.started,
+                  "refused": prove_rank(metrics_dir, ident)}
             for pid, ident in found.items()}
 
 
 def local_dumps(pids: list[int], identities: dict[int, dict[str, Any]] | None = None, *,
                 locals_: bool = True, native: bool = False,
                 timeout: float = 10.0) -> list[dict[str, Any]]:
-    """Dump local processes with py-spy; label them with their identity where known."""
+    """Dump local processes with py-spy; label them with their identity where known.
+
+    A pid whose identity says `refused` (not proven a rank of its folder) is not dumped: its
+    entry carries the reason as its error.
+    """
     from robust_metrics.sidecar.stacks import dump_stacks
 
     identities = identities or {}
+    refused = {pid: identities.get(pid, {}).get("refused") for pid in pids}
     out = []
-    for dump in dump_stacks(pids, native=native, locals_=locals_, timeout=timeout):
-        ident = identities.get(dump["pid"], {})
+    dumps = {d["pid"]: d for d in dump_stacks([p for p in pids if not refused[p]], native=native,
+                                              locals_=locals_, timeout=timeout)}
+    for pid in pids:
+        dump = dumps.get(pid) or {"pid": pid, "threads": [], "error": refused[pid]}
+        ident = identities.get(pid, {})
         entry = {"run": ident.get("run"), "rank": ident.get("rank"), "node": ident.get("node"),
-                 "source": f"pid {dump['pid']}", **dump}
+                 "source": f"pid {pid}", **dump}
         out.append(entry)
     return out

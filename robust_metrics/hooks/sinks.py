@@ -60,7 +60,7 @@ class MultiprocessSink:
         self.directory = directory
         self.pid = os.getpid() if pid is None else pid
         self._files: dict[str, MetricFile] = {}
-        self._keys: dict[tuple[int, str], tuple[str, str]] = {}
+        self._keys: dict[tuple[int, str], tuple[MetricFile, int]] = {}
         self.on_reopen: Callable[[], None] | None = None
         """Runs after vanished files were started again (the hook rewrites its identity)."""
 
@@ -71,24 +71,25 @@ class MultiprocessSink:
             mmap_file = self._files[prefix] = MetricFile(path)
         return mmap_file
 
-    def _slot(self, series: Series, name: str) -> tuple[str, str]:
+    def _slot(self, series: Series, name: str) -> tuple[MetricFile, int]:
         key = (id(series), name)
         slot = self._keys.get(key)
         if slot is None:
             spec = series.spec
-            prefix = _file_prefix(spec.type, spec.gauge_mode)
             key_text = metric_key(spec.base_name, name, list(spec.labels), list(series.labels),
                                   spec.help)
-            slot = self._keys[key] = (prefix, key_text)
+            metric_file = self._file(_file_prefix(spec.type, spec.gauge_mode))
+            slot = self._keys[key] = (metric_file, metric_file.slot(key_text))
         return slot
 
     def flush(self, store: MetricStore) -> None:
         if any(f.vanished() for f in self._files.values()):
             self._reopen()
+        gauge, keys = MetricType.GAUGE, self._keys
         for sample in store.samples():
-            prefix, key_text = self._slot(sample.series, sample.name)
-            timestamp = sample.series.updated if sample.series.spec.type is MetricType.GAUGE else 0.0
-            self._file(prefix).write(key_text, sample.value, timestamp)
+            series = sample.series
+            slot = keys.get((id(series), sample.name)) or self._slot(series, sample.name)
+            slot[0].set(slot[1], sample.value, series.updated if series.spec.type is gauge else 0.0)
         for metric_file in self._files.values():
             metric_file.sync()
 
@@ -97,6 +98,7 @@ class MultiprocessSink:
         for metric_file in self._files.values():
             metric_file.close()
         self._files.clear()
+        self._keys.clear()
         log.warning("robust-metrics: metric files in %s vanished; writing them again",
                     self.directory)
         os.makedirs(self.directory, exist_ok=True)

@@ -58,6 +58,10 @@ def write_checkpoint_request(metrics_dir: str, request_id: int | None = None,
     os.makedirs(metrics_dir, exist_ok=True)
     fd = open_dir(os.path.join(metrics_dir, CONTROL_DIR), create=True)
     try:
+        owner = os.fstat(fd).st_uid
+        if owner != os.geteuid():  # a job made control/ first: the ranks would not trust it
+            raise PermissionError(f"{os.path.join(metrics_dir, CONTROL_DIR)} belongs to uid "
+                                  f"{owner}, not to this user")
         body = json.dumps({"id": request.id, "at_step": request.at_step}).encode()
         write_atomic(REQUEST_FILE, body, fd)
     finally:
@@ -66,12 +70,21 @@ def write_checkpoint_request(metrics_dir: str, request_id: int | None = None,
 
 
 def read_checkpoint_request(metrics_dir: str) -> CheckpointRequest | None:
-    """The current request, None when there is none; OSError or ValueError when unusable."""
+    """The current request, None when there is none; OSError or ValueError when unusable.
+
+    Only a file written by root, by this process's user or by the folder's owner (the sidecar)
+    counts: another job on the node must not make this one checkpoint.
+    """
     try:
-        fd = open_dir(os.path.join(metrics_dir, CONTROL_DIR))
+        fd = open_dir(os.path.join(metrics_dir, CONTROL_DIR), listing=False)
     except FileNotFoundError:
         return None
     try:
+        owner = os.stat(REQUEST_FILE, dir_fd=fd, follow_symlinks=False).st_uid
+        trusted = {0, os.geteuid(), os.stat(metrics_dir).st_uid}
+        if owner not in trusted:
+            raise PermissionError(f"{request_path(metrics_dir)} belongs to uid {owner}, "
+                                  "neither the sidecar nor this job")
         data = json.loads(read_regular(REQUEST_FILE, MAX_REQUEST_BYTES, fd))
     except FileNotFoundError:
         return None

@@ -80,7 +80,7 @@ def write_identity(directory: str, *, run: str, rank: int | str, local_rank: int
     if finished is not None:
         record["finished"] = finished
     os.makedirs(directory, exist_ok=True)
-    fd = open_dir(os.path.join(directory, RANKS_DIR), create=True)
+    fd = open_dir(os.path.join(directory, RANKS_DIR), create=True, mode=0o1733, listing=False)
     try:
         write_atomic(identity_name(pid), json.dumps(record).encode(), fd)
     finally:

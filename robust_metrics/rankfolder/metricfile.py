@@ -130,6 +130,7 @@ class MetricFile:
             st = os.fstat(self._fd)
             if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
                 raise PermissionError(f"{path}: not a regular file of this user")
+            os.fchmod(self._fd, 0o644)  # readable by a sidecar without DAC_OVERRIDE, any umask
             os.ftruncate(self._fd, 0)  # a pid reused from a dead process starts afresh
             self._capacity = 0
             try:
@@ -159,13 +160,22 @@ class MetricFile:
             os.ftruncate(self._fd, capacity)
         self._capacity = capacity
 
-    def write(self, key: str, value: float, timestamp: float) -> None:
-        """Set the sample `key` (see `metric_key`) in memory; `sync()` publishes it."""
+    def slot(self, key: str) -> int:
+        """The position of the sample `key` (see `metric_key`), added on first use; pass it to
+        `set`, which a flush calls for every sample, so the key is looked up once."""
         pos = self._positions.get(key)
         if pos is None:
             self._data += _encode_entry(key)
             pos = self._positions[key] = len(self._data) - 16
-        self._data[pos:pos + 16] = _TWO_DOUBLES.pack(value, timestamp)
+        return pos
+
+    def set(self, pos: int, value: float, timestamp: float) -> None:
+        """Set the sample at `pos` in memory; `sync()` publishes it."""
+        _TWO_DOUBLES.pack_into(self._data, pos, value, timestamp)
+
+    def write(self, key: str, value: float, timestamp: float) -> None:
+        """Set the sample `key` in memory; `sync()` publishes it."""
+        self.set(self.slot(key), value, timestamp)
 
     def sync(self) -> None:
         """Write the file's bytes; OSError when the disk is full or the file cannot be written."""

@@ -27,6 +27,7 @@ __all__ = [
 
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_PATH_FLAGS = getattr(os, "O_PATH", os.O_RDONLY) | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 class NotRegular(OSError):
@@ -38,15 +39,18 @@ class TooLarge(OSError):
 
 
 def open_dir(path: str, dir_fd: int | None = None, *, create: bool = False,
-             mode: int = 0o755) -> int:
+             mode: int = 0o755, listing: bool = True) -> int:
     """A descriptor of the directory `path` (relative to `dir_fd` if given), refusing a link.
 
-    Raises OSError (ELOOP or ENOTDIR) for a link or anything that is not a directory.
+    With `listing=False` the descriptor (O_PATH) can only serve as `dir_fd` for opening, renaming
+    and removing names in it, which needs no read permission: ranks write into folders of mode
+    1733 that they may not list. Raises OSError (ELOOP or ENOTDIR) for a link or anything that
+    is not a directory.
     """
     if create:
         with contextlib.suppress(FileExistsError):
             os.mkdir(path, mode, dir_fd=dir_fd)
-    return os.open(path, _DIR_FLAGS, dir_fd=dir_fd)
+    return os.open(path, _DIR_FLAGS if listing else _PATH_FLAGS, dir_fd=dir_fd)
 
 
 def open_regular(path: str, dir_fd: int | None = None) -> int:
@@ -88,6 +92,7 @@ def write_atomic(name: str, data: bytes, dir_fd: int, mode: int = 0o644) -> None
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode,
                  dir_fd=dir_fd)
     try:
+        os.fchmod(fd, mode)  # whatever the umask: the sidecar reads it without DAC_OVERRIDE
         view = memoryview(data)
         while view:
             view = view[os.write(fd, view):]

@@ -47,6 +47,7 @@ from prometheus_client.utils import floatToGoString
 
 from robust_metrics import schema
 from robust_metrics.rankfolder.identity import RANKS_DIR, RankIdentity, pid_of, read_identity
+from robust_metrics.rankfolder.layout import prepare
 from robust_metrics.rankfolder.metricfile import (
     MAX_FILE_BYTES,
     CorruptFile,
@@ -146,7 +147,7 @@ class _Archive:
     def _folder_fd(self) -> int | None:
         if self._fd is None:
             try:
-                fd = open_dir(self.folder, create=True, mode=0o755)
+                fd = open_dir(self.folder, create=True, mode=0o700)
             except OSError as exc:
                 log.error("cannot use %s (%s); serving the folder read-only", self.folder, exc)
                 return None
@@ -155,6 +156,7 @@ class _Archive:
                 log.error("%s belongs to another user; serving the folder read-only",
                           self.folder)
                 return None
+            os.fchmod(fd, 0o700)  # the sidecar's private state
             self._fd = fd
         return self._fd
 
@@ -322,7 +324,7 @@ class RankFolder:
         self._identity_cache: dict[str, tuple[int, RankIdentity | None]] = {}
         self._corrupt_seen: set[tuple[str, int]] = set()
         self._dead_since: dict[int, float] = {}
-        os.makedirs(os.path.join(directory, "ranks"), exist_ok=True)
+        prepare(directory)
         self._archive.acquire()
         self._archive.load_if_changed()
 

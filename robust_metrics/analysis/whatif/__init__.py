@@ -21,6 +21,7 @@ from robust_metrics.analysis.whatif.graph import GraphError
 from robust_metrics.analysis.whatif.loader import TraceError, read_trace
 from robust_metrics.analysis.whatif.meta import JobMeta, MetaError, load_meta
 from robust_metrics.analysis.whatif.model import TraceModel, build_model
+from robust_metrics.analysis.whatif.steps import StepRanges
 
 __all__ = ["GraphError", "JobMeta", "MetaError", "TraceError", "TraceModel", "WhatIfResult",
            "analyze", "analyze_trace", "build_model", "load_meta", "load_model", "read_trace"]
@@ -35,7 +36,8 @@ def load_model(trace: str | Path, meta: str | Path | None = None,
     """
     df = read_trace(trace)
     if steps is not None:
-        keep = df.step.isin(list(steps))
+        keep = (steps.mask(df.step.to_numpy()) if isinstance(steps, StepRanges)
+                else df.step.isin(list(steps)))
         if not keep.any():
             raise TraceError(f"trace {trace} has none of the requested steps; it has steps "
                              f"{sorted(set(df.step.tolist()))[:20]}")

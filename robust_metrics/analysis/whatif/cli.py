@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
+
+from robust_metrics.analysis.whatif.steps import StepRanges
 
 __all__ = ["configure", "parse_steps", "run"]
 
@@ -50,22 +53,23 @@ def configure(parser: argparse.ArgumentParser) -> None:
                           help="never draw a progress bar")
 
 
-def parse_steps(spec: str) -> set[int]:
-    """'5-8,12' -> {5, 6, 7, 8, 12}; ValueError with the bad part otherwise."""
-    steps: set[int] = set()
+def parse_steps(spec: str) -> StepRanges:
+    """'5-8,12' -> steps 5, 6, 7, 8 and 12, kept as ranges (a range of 10**11 steps costs two
+    numbers, not a set of 10**11); ValueError with the bad part otherwise."""
+    ranges: list[tuple[int, int]] = []
     for part in spec.split(","):
         part = part.strip()
         try:
             if "-" in part:
                 lo, hi = (int(x) for x in part.split("-", 1))
-                if hi < lo:
-                    raise ValueError
-                steps.update(range(lo, hi + 1))
             else:
-                steps.add(int(part))
+                lo = hi = int(part)
+            if hi < lo or lo < 0:
+                raise ValueError
         except ValueError:
             raise ValueError(f"--steps: {part!r} is not a step or a range like 5-20") from None
-    return steps
+        ranges.append((lo, hi))
+    return StepRanges(ranges)
 
 
 def _fail(message: str) -> int:
@@ -84,8 +88,8 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, name) < 1:
             return _fail(f"--{name.replace('_', '-')} must be >= 1")
     threshold = ATTRIBUTION_THRESHOLD if args.threshold is None else args.threshold
-    if threshold <= 0:
-        return _fail("--threshold must be > 0")
+    if not math.isfinite(threshold) or threshold <= 0:
+        return _fail("--threshold must be a finite number > 0")
     overrides = {f"{k}_size": getattr(args, f"{k}_size") for k in ("dp", "pp", "tp", "dsp", "vpp")}
     try:
         steps = parse_steps(args.steps) if args.steps else None

@@ -97,6 +97,9 @@ def validate(df: pd.DataFrame, *, source: str = "trace") -> pd.DataFrame:
             out[col] = pd.to_numeric(values).astype(dtype)
         except (TypeError, ValueError):
             raise TraceError(f"{source}: column {col} must be numeric") from None
+        except OverflowError:
+            raise TraceError(f"{source}: column {col} has a number too large for {dtype}"
+                             ) from None
     unknown = sorted(set(map(str, out["optype"].unique())) - set(T.OPTYPES))
     if unknown:
         raise TraceError(f"{source}: unknown optype(s) {', '.join(unknown)}; known: "

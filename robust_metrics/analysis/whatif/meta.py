@@ -47,6 +47,10 @@ class JobMeta:
     def from_mapping(cls, data: Mapping[str, Any], *, source: str = "metadata") -> JobMeta:
         """Build from a YAML mapping; unknown keys other than bookkeeping ones are an error."""
         known = {f.name for f in dataclasses.fields(cls)}
+        odd = [k for k in data if not isinstance(k, str)]
+        if odd:
+            raise MetaError(f"{source}: key(s) {', '.join(map(repr, odd[:5]))} are not names; "
+                            f"expected {', '.join(sorted(known))}")
         ignored = {"run_id"}
         unknown = set(data) - known - ignored
         if unknown:
@@ -86,7 +90,14 @@ def load_meta(path: str | Path | None = None, overrides: Mapping[str, int | None
             loaded = yaml.safe_load(Path(path).read_text())
         except FileNotFoundError:
             raise MetaError(f"metadata file {path} does not exist") from None
-        except yaml.YAMLError as exc:
+        except IsADirectoryError:
+            raise MetaError(f"metadata file {path} is a folder; give the YAML file") from None
+        except UnicodeDecodeError:
+            raise MetaError(f"metadata file {path} is not text (UTF-8 YAML)") from None
+        except OSError as exc:
+            raise MetaError(f"metadata file {path} cannot be read: {exc.strerror or exc}"
+                            ) from None
+        except (yaml.YAMLError, ValueError, TypeError) as exc:
             raise MetaError(f"metadata file {path} is not valid YAML: {exc}") from None
         if not isinstance(loaded, dict):
             raise MetaError(f"metadata file {path} must hold a mapping of sizes")
