@@ -168,3 +168,54 @@ def test_host_clock_blocked_time_is_the_call(tmp_path: Path) -> None:
     timer.blocked(begin)
     ((seconds, blocked),) = timer.step_end(host_seconds=0.05)
     assert seconds == 0.05 and 0.02 <= blocked <= 0.05
+
+
+class Tick(torch.autograd.Function):
+    """Advances the fake device clock: 10 ms in forward, 20 ms in backward."""
+
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        FakeEvent.cursor += 0.010
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        FakeEvent.cursor += 0.020
+        return grad
+
+
+def test_what_if_traces_of_a_cuda_model_come_from_events_one_step_late(
+        fake_cuda: type[FakeEvent], monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import json
+
+    monkeypatch.setattr(timing, "source_for", lambda device: CudaEvents())
+    linear = torch.nn.Linear(4, 1)
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = linear
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return Tick.apply(self.linear(x))
+
+    model = Model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    path = tmp_path / "trace-rank0.jsonl"
+    with robust_metrics.watch(model, optimizer, backend="null", run="t", trace_dir=str(tmp_path),
+                              trace_every=1, trace_steps=1):
+        for k in range(3):
+            fake_cuda.device_now = fake_cuda.cursor  # the device reached the previous step
+            model(torch.randn(2, 4)).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            fake_cuda.cursor += 0.005
+            if k == 0:
+                assert not path.exists()  # step 0's events are not reached yet
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert {r["step"] for r in rows} == {0, 1}
+    by_op = {(r["step"], r["optype"]): r for r in rows}
+    assert by_op[(1, "forward-compute")]["duration"] == pytest.approx(0.010)
+    assert by_op[(1, "backward-compute")]["duration"] == pytest.approx(0.020)
+    gap = by_op[(1, "forward-compute")]["start_ts"] - by_op[(0, "forward-compute")]["start_ts"]
+    assert gap > 0
