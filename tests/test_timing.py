@@ -219,3 +219,32 @@ def test_what_if_traces_of_a_cuda_model_come_from_events_one_step_late(
     assert by_op[(1, "backward-compute")]["duration"] == pytest.approx(0.020)
     gap = by_op[(1, "forward-compute")]["start_ts"] - by_op[(0, "forward-compute")]["start_ts"]
     assert gap > 0
+
+
+@pytest.mark.gpu
+def test_a_cuda_model_is_timed_by_events_that_see_a_slow_kernel() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("this torch build has no CUDA (install a CUDA build of torch on a GPU machine)")
+    model = torch.nn.Linear(64, 1).cuda()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(32, 64, device="cuda")
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(5_000_000)
+    end.record()
+    end.synchronize()
+    slow = start.elapsed_time(end) / 1000.0
+    with robust_metrics.watch(model, optimizer, backend="null", run="gpu") as handle:
+        assert isinstance(handle.tracker.timer.source, CudaEvents)
+        for _ in range(12):
+            model(x).pow(2).mean().backward()
+            torch.cuda._sleep(5_000_000)  # device time the host never waits for
+            optimizer.step()
+            optimizer.zero_grad()
+        torch.cuda.synchronize()
+        model(x).pow(2).mean().backward()
+        optimizer.step()
+        summary = handle._step_duration
+        assert summary.count >= 12
+        # every step but the first (timed by the host: no start event) holds the slow kernel
+        assert summary.sum >= 0.8 * slow * (summary.count - 1)

@@ -556,7 +556,8 @@ def watch(model: Any = None, optimizer: Any = None, **options: Any) -> Watch:
       checkpoint_signal: the signal that requests a checkpoint (default SIGUSR1, None for none);
       start_step: global step when resuming (or call handle.set_step(n));
       grad_norm: compute the gradient norm when clip_grad_norm_ is not called (default True);
-      collectives: time torch.distributed collectives and DDP buckets (default True);
+      collectives: time torch.distributed collectives and DDP's gradient reduction, the
+        compute/blocked split (default True; robust_metrics.hooks.timing);
       gc_pauses: time Python GC pauses (default True);
       flush_interval: seconds between writes of the multiprocess files by a background thread,
         so a hung rank's files stay current (default 0.25; 0 writes at every step end).
