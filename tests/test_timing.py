@@ -77,6 +77,17 @@ def test_the_window_ends_after_ddp_waited_for_its_buckets(gloo: None) -> None:
     assert compute < duration / 2
 
 
+def test_micro_steps_under_no_sync_count_no_reduction(gloo: None) -> None:
+    model, optimizer = ddp_model()
+    with robust_metrics.watch(model, optimizer, backend="null", run="t") as handle:
+        for _ in range(2):
+            with model.no_sync():
+                model(torch.randn(4, 8)).pow(2).mean().backward()
+            step(model, optimizer)  # the last micro-step reduces
+        assert value(handle, "robust_collective_duration_seconds_count", op="all_reduce",
+                     group="default_pg") == 2
+
+
 def test_a_changed_graph_hooks_every_parameter_again(gloo: None) -> None:
     model, optimizer = ddp_model()
     with robust_metrics.watch(model, optimizer, backend="null", run="t") as handle:

@@ -225,6 +225,7 @@ class DdpProbe:
         from torch.autograd import Variable
 
         self._queue = Variable._execution_engine.queue_callback
+        self._model = model
         self._timer = timer
         self._on_window = on_window
         self._on_error = on_error
@@ -284,7 +285,8 @@ class DdpProbe:
             window = self._timer.backward_end()
             if self.watched is None and self._order:
                 self._keep(self._order[-1])
-            if window is not None:
+            # under no_sync() DDP reduces nothing: the window is ~0 and no collective ran
+            if window is not None and getattr(self._model, "require_backward_grad_sync", True):
                 self._on_window(*window)
         except Exception as exc:
             self._on_error("ddp_timing", exc)
@@ -300,3 +302,4 @@ class DdpProbe:
         if self.watched is not None and not self._fired:
             self._hook_all()
         self._fired = False
+        self._queued = False  # a backward that raised never ran its final callbacks
