@@ -61,10 +61,18 @@ def test_the_window_ends_after_ddp_waited_for_its_buckets(gloo: None) -> None:
     """A slow all-reduce (a test comm hook whose future completes 50 ms later) is blocked time:
     the final callback runs after DDP's own, which waits for the buckets."""
     model, optimizer = ddp_model()
+    seen_while_waiting: list[tuple[int, int]] = []
 
     def slow_all_reduce(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks annotations
         future: torch.futures.Future = torch.futures.Future()
-        threading.Timer(0.05, future.set_result, args=(bucket.buffer(),)).start()
+
+        def finish() -> None:
+            _, entered, completed = handle.tracker.snapshot()
+            seen_while_waiting.append((entered.get("default_pg", 0),
+                                       completed.get("default_pg", 0)))
+            future.set_result(bucket.buffer())
+
+        threading.Timer(0.05, finish).start()
         return future
 
     model.register_comm_hook(None, slow_all_reduce)
@@ -75,6 +83,9 @@ def test_the_window_ends_after_ddp_waited_for_its_buckets(gloo: None) -> None:
         compute = value(handle, "robust_step_compute_seconds_sum")
     assert duration - compute >= 3 * 0.045, (duration, compute)
     assert compute < duration / 2
+    # while a rank waits in DDP's reduction it shows entered = completed + 1 (RankHang's signal);
+    # the first step finds the parameter to watch, so it counts at the end
+    assert seen_while_waiting == [(0, 0), (2, 1), (3, 2)]
 
 
 def test_micro_steps_under_no_sync_count_no_reduction(gloo: None) -> None:

@@ -211,6 +211,7 @@ class Watch:
         tracker, group = self.tracker, group_label(self.model.process_group)
         tracker.watch_group(self.model.process_group)  # NCCL: its buckets by completion hook
         probe = DdpProbe(self.model, tracker.timer, on_error=self._error,
+                         on_launch=lambda: tracker.ddp_launch(group),
                          on_window=lambda ready, end: tracker.ddp_reduction(
                              group, probe.nbytes, ready, end))
         self._restore.append(probe.install())
