@@ -61,10 +61,18 @@ def test_the_window_ends_after_ddp_waited_for_its_buckets(gloo: None) -> None:
     """A slow all-reduce (a test comm hook whose future completes 50 ms later) is blocked time:
     the final callback runs after DDP's own, which waits for the buckets."""
     model, optimizer = ddp_model()
+    seen_while_waiting: list[tuple[int, int]] = []
 
     def slow_all_reduce(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks annotations
         future: torch.futures.Future = torch.futures.Future()
-        threading.Timer(0.05, future.set_result, args=(bucket.buffer(),)).start()
+
+        def finish() -> None:
+            _, entered, completed = handle.tracker.snapshot()
+            seen_while_waiting.append((entered.get("default_pg", 0),
+                                       completed.get("default_pg", 0)))
+            future.set_result(bucket.buffer())
+
+        threading.Timer(0.05, finish).start()
         return future
 
     model.register_comm_hook(None, slow_all_reduce)
@@ -75,6 +83,20 @@ def test_the_window_ends_after_ddp_waited_for_its_buckets(gloo: None) -> None:
         compute = value(handle, "robust_step_compute_seconds_sum")
     assert duration - compute >= 3 * 0.045, (duration, compute)
     assert compute < duration / 2
+    # while a rank waits in DDP's reduction it shows entered = completed + 1 (RankHang's signal);
+    # the first step finds the parameter to watch, so it counts at the end
+    assert seen_while_waiting == [(0, 0), (2, 1), (3, 2)]
+
+
+def test_micro_steps_under_no_sync_count_no_reduction(gloo: None) -> None:
+    model, optimizer = ddp_model()
+    with robust_metrics.watch(model, optimizer, backend="null", run="t") as handle:
+        for _ in range(2):
+            with model.no_sync():
+                model(torch.randn(4, 8)).pow(2).mean().backward()
+            step(model, optimizer)  # the last micro-step reduces
+        assert value(handle, "robust_collective_duration_seconds_count", op="all_reduce",
+                     group="default_pg") == 2
 
 
 def test_a_changed_graph_hooks_every_parameter_again(gloo: None) -> None:
@@ -168,3 +190,83 @@ def test_host_clock_blocked_time_is_the_call(tmp_path: Path) -> None:
     timer.blocked(begin)
     ((seconds, blocked),) = timer.step_end(host_seconds=0.05)
     assert seconds == 0.05 and 0.02 <= blocked <= 0.05
+
+
+class Tick(torch.autograd.Function):
+    """Advances the fake device clock: 10 ms in forward, 20 ms in backward."""
+
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        FakeEvent.cursor += 0.010
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        FakeEvent.cursor += 0.020
+        return grad
+
+
+def test_what_if_traces_of_a_cuda_model_come_from_events_one_step_late(
+        fake_cuda: type[FakeEvent], monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import json
+
+    monkeypatch.setattr(timing, "source_for", lambda device: CudaEvents())
+    linear = torch.nn.Linear(4, 1)
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = linear
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return Tick.apply(self.linear(x))
+
+    model = Model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    path = tmp_path / "trace-rank0.jsonl"
+    with robust_metrics.watch(model, optimizer, backend="null", run="t", trace_dir=str(tmp_path),
+                              trace_every=1, trace_steps=1):
+        for k in range(3):
+            fake_cuda.device_now = fake_cuda.cursor  # the device reached the previous step
+            model(torch.randn(2, 4)).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            fake_cuda.cursor += 0.005
+            if k == 0:
+                assert not path.exists()  # step 0's events are not reached yet
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert {r["step"] for r in rows} == {0, 1}
+    by_op = {(r["step"], r["optype"]): r for r in rows}
+    assert by_op[(1, "forward-compute")]["duration"] == pytest.approx(0.010)
+    assert by_op[(1, "backward-compute")]["duration"] == pytest.approx(0.020)
+    gap = by_op[(1, "forward-compute")]["start_ts"] - by_op[(0, "forward-compute")]["start_ts"]
+    assert gap > 0
+
+
+@pytest.mark.gpu
+def test_a_cuda_model_is_timed_by_events_that_see_a_slow_kernel() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("this torch build has no CUDA (install a CUDA build of torch on a GPU machine)")
+    model = torch.nn.Linear(64, 1).cuda()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(32, 64, device="cuda")
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(5_000_000)
+    end.record()
+    end.synchronize()
+    slow = start.elapsed_time(end) / 1000.0
+    with robust_metrics.watch(model, optimizer, backend="null", run="gpu") as handle:
+        assert isinstance(handle.tracker.timer.source, CudaEvents)
+        for _ in range(12):
+            model(x).pow(2).mean().backward()
+            torch.cuda._sleep(5_000_000)  # device time the host never waits for
+            optimizer.step()
+            optimizer.zero_grad()
+        torch.cuda.synchronize()
+        model(x).pow(2).mean().backward()
+        optimizer.step()
+        summary = handle._step_duration
+        assert summary.count >= 12
+        # every step but the first (timed by the host: no start event) holds the slow kernel
+        assert summary.sum >= 0.8 * slow * (summary.count - 1)

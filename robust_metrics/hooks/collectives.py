@@ -110,6 +110,7 @@ class CollectiveTracker:
         self.closed = False
         self.originals: dict[str, Callable[..., Any]] = {}
         self._seen_groups: set[int] = set()
+        self._ddp_launched = False
 
     def watch_group(self, group: Any) -> None:
         """First use of a process group: an NCCL group gets the completion hook, because host
@@ -162,6 +163,15 @@ class CollectiveTracker:
             stats.count += 1
             stats.seconds += seconds
 
+    def ddp_launch(self, group: str) -> None:
+        """DDP's reduction of this step entered (its last bucket launched): a rank hung in it
+        shows one more entered than completed, a rank that never got there one fewer."""
+        if group in self._groups_timed_by_hook or not self.timer.source.host:
+            return
+        with self._lock:
+            self.entered[group] = self.entered.get(group, 0) + 1
+            self._ddp_launched = True
+
     def ddp_reduction(self, group: str, nbytes: int, ready: Any, end: Any) -> None:
         """One step's DDP gradient reduction, from its last bucket's launch to backward's return.
 
@@ -176,7 +186,14 @@ class CollectiveTracker:
                     stats = self.stats[("all_reduce", group)] = _Stats()
                 stats.bytes += nbytes
             return
-        self.launch("all_reduce", group, nbytes)
+        with self._lock:
+            launched, self._ddp_launched = self._ddp_launched, False
+            if not launched:  # the first backward, which found the parameter to watch
+                self.entered[group] = self.entered.get(group, 0) + 1
+            stats = self.stats.get(("all_reduce", group))
+            if stats is None:
+                stats = self.stats[("all_reduce", group)] = _Stats()
+            stats.bytes += nbytes
         self.record_completion("all_reduce", group, max(0.0, end - ready))
 
     def snapshot(self) -> tuple[dict[tuple[str, str], _Stats], dict[str, int], dict[str, int]]:

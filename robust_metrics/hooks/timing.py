@@ -216,17 +216,22 @@ class DdpProbe:
     last (found in the first backward, when every trainable parameter is hooked; found again if
     it stops firing), which is when DDP launches its last bucket. `backward_end` fires from an
     autograd final callback queued behind DDP's own (DDP waits for its buckets in its callback),
-    which is when backward returns. `on_window(ready, end)` is told of each closed window.
+    which is when backward returns. `on_launch()` is told when the watched gradient is ready
+    (DDP's reduction entered; not in the first backward, which finds that parameter) and
+    `on_window(ready, end)` of each closed window, neither under `no_sync()`.
     """
 
     def __init__(self, model: Any, timer: StepTimer,
                  on_window: Callable[[Mark, Mark], None],
-                 on_error: Callable[[str, BaseException], None]) -> None:
+                 on_error: Callable[[str, BaseException], None],
+                 on_launch: Callable[[], None] | None = None) -> None:
         from torch.autograd import Variable
 
         self._queue = Variable._execution_engine.queue_callback
+        self._model = model
         self._timer = timer
         self._on_window = on_window
+        self._on_launch = on_launch
         self._on_error = on_error
         ignored = set(getattr(model, "parameters_to_ignore", ()) or ())
         self._params = [p for n, p in model.module.named_parameters()
@@ -259,6 +264,8 @@ class DdpProbe:
             try:
                 if self.watched is None:
                     self._order.append(index)
+                elif self._on_launch is not None and self._syncing():
+                    self._on_launch()  # DDP launches its last bucket now: entered, not done
                 self._fired = True
                 self._timer.grad_ready()
                 if not self._queued:
@@ -284,10 +291,14 @@ class DdpProbe:
             window = self._timer.backward_end()
             if self.watched is None and self._order:
                 self._keep(self._order[-1])
-            if window is not None:
+            if window is not None and self._syncing():
                 self._on_window(*window)
         except Exception as exc:
             self._on_error("ddp_timing", exc)
+
+    def _syncing(self) -> bool:
+        """False under DDP's no_sync(): that backward reduces nothing."""
+        return bool(getattr(self._model, "require_backward_grad_sync", True))
 
     def _keep(self, index: int) -> None:
         """After the first backward, only the last-ready parameter stays hooked."""
@@ -300,3 +311,4 @@ class DdpProbe:
         if self.watched is not None and not self._fired:
             self._hook_all()
         self._fired = False
+        self._queued = False  # a backward that raised never ran its final callbacks

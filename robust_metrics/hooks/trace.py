@@ -5,10 +5,11 @@ steps out of every N (steps whose number modulo N is below K; all ranks pick the
 one JSON line per op in the what-if schema, into `DIR/trace-rank<R>.jsonl`:
 
 - `forward-compute` per microbatch: the model's forward pre-hook to its forward hook;
-- `backward-compute` per microbatch: `Tensor.backward()`, ending when DDP launches the step's
-  last gradient bucket (the end of backward compute) when that is known;
-- `grads-reduce-scatter`: DDP's gradient all-reduce, last bucket launch to last bucket done, so
-  its transfer time (end - the latest start over DP ranks) excludes waiting for a straggler;
+- `backward-compute` per microbatch: `Tensor.backward()`, ending when the last gradient DDP
+  reduces is ready (when DDP launches its last bucket), when that is known;
+- `grads-reduce-scatter`: DDP's exposed gradient reduction, from that point to the end of
+  backward, so its transfer time (end - the latest start over DP ranks) excludes waiting for a
+  straggler;
 - `gc`: Python GC pauses of the step, summed, placed after the last compute;
 - `optimizer`: `optimizer.step()`;
 - anything else the user marks with `span(optype)`, e.g. pipeline p2p

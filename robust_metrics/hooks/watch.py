@@ -214,6 +214,7 @@ class Watch:
         tracker, group = self.tracker, group_label(self.model.process_group)
         tracker.watch_group(self.model.process_group)  # NCCL: its buckets by completion hook
         probe = DdpProbe(self.model, tracker.timer, on_error=self._error,
+                         on_launch=lambda: tracker.ddp_launch(group),
                          on_window=lambda ready, end: tracker.ddp_reduction(
                              group, probe.nbytes, ready, end))
         self._restore.append(probe.install())
@@ -582,7 +583,8 @@ def watch(model: Any = None, optimizer: Any = None, **options: Any) -> Watch:
       checkpoint_signal: the signal that requests a checkpoint (default SIGUSR1, None for none);
       start_step: global step when resuming (or call handle.set_step(n));
       grad_norm: compute the gradient norm when clip_grad_norm_ is not called (default True);
-      collectives: time torch.distributed collectives and DDP buckets (default True);
+      collectives: time torch.distributed collectives and DDP's gradient reduction, the
+        compute/blocked split (default True; robust_metrics.hooks.timing);
       gc_pauses: time Python GC pauses (default True);
       flush_interval: seconds between writes of the multiprocess files by a background thread,
         so a hung rank's files stay current (default 0.25; 0 writes at every step end).
