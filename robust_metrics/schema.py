@@ -284,7 +284,8 @@ RANK_PROCESS_STOPPED = _declare(
 RANK_FINISHED = _declare(
     "robust_rank_finished", G,
     "1 once the rank's process ended normally (close() or interpreter exit without an uncaught "
-    "exception), kept while the sidecar knows the process; absent before.", source=SIDECAR,
+    "exception) or was stopped on request (SIGTERM, SIGINT, SIGHUP seen at its exit), kept while "
+    "the sidecar knows the process; absent before.", source=SIDECAR,
 )
 RANK_EXIT_TIMESTAMP = _declare(
     "robust_rank_exit_timestamp_seconds", G,

@@ -7,7 +7,13 @@ exact on a shared CPU.
 
 Faults: checkpoint and eval phases, a delay before the first step, a stop (SIGSTOP) inside a
 collective, slow forward or backward, NaN loss, NaN gradients, loss and gradient-norm spikes, a
-data-loading stall on every rank, a GC storm, a normal end followed by a slow shutdown.
+data-loading stall on every rank, a GC storm, CPU work for a contention test, a normal end
+followed by a slow shutdown. A rank that injects a fault prints `FAULT <unix time>` first, so a
+benchmark can time detection from the moment of the fault.
+
+`--duration` ends the job after that many seconds with `--checkpoints` checkpoint and `--evals`
+eval phases spread over it; rank 0 decides from its clock and tells the others every 10 steps
+through an all-reduce, so every rank takes the same step into a phase or out of the loop.
 """
 
 from __future__ import annotations
@@ -55,6 +61,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--stall-seconds", type=float, default=6.0)
     a("--gc-rank", type=int, default=-1, help="this rank runs a GC storm every step")
     a("--shutdown-seconds", type=float, default=0.0, help="sleep after close() (normal end)")
+    a("--slow-step", type=int, default=0, help="the slow or GC-storm rank starts at this step")
+    a("--work", type=int, default=0, help="matrix products of real CPU work per step")
+    a("--duration", type=float, default=0.0, help="seconds, then a normal end (0: use --steps)")
+    a("--checkpoints", type=int, default=0, help="checkpoint phases over --duration")
+    a("--evals", type=int, default=0, help="eval phases over --duration")
     return p.parse_args(argv)
 
 
@@ -77,8 +88,40 @@ class MLP(nn.Module):
         return grad
 
 
+def fault(what: str) -> None:
+    print(f"FAULT {time.time():.6f} {what}", flush=True)
+
+
 def stop_self_later(seconds: float) -> None:
-    threading.Timer(seconds, os.kill, (os.getpid(), signal.SIGSTOP)).start()
+    def stop() -> None:
+        fault("sigstop")
+        os.kill(os.getpid(), signal.SIGSTOP)
+    threading.Timer(seconds, stop).start()
+
+
+class Schedule:
+    """Rank 0's plan for --duration: 1 = checkpoint, 2 = eval, 3 = stop, agreed every 10 steps."""
+
+    def __init__(self, args: argparse.Namespace, rank: int) -> None:
+        self.start = time.time()
+        self.duration = args.duration
+        self.rank = rank
+        plan = [((i + 0.5) * args.duration / max(args.checkpoints, 1), 1)
+                for i in range(args.checkpoints)]
+        plan += [((i + 0.75) * args.duration / max(args.evals, 1), 2) for i in range(args.evals)]
+        self.plan = sorted(plan)
+
+    def next_action(self) -> int:
+        action = 0
+        if self.rank == 0:
+            elapsed = time.time() - self.start
+            if elapsed >= self.duration:
+                action = 3
+            elif self.plan and elapsed >= self.plan[0][0]:
+                action = self.plan.pop(0)[1]
+        flag = torch.tensor([action])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag.item())
 
 
 def gc_storm() -> None:
@@ -100,35 +143,51 @@ def main(argv: list[str] | None = None) -> None:
     generator = torch.Generator().manual_seed(rank)
     half = args.compute / 2
     model.forward_sleep = model.backward_sleep = half
-    if rank == args.slow_rank:
-        extra = args.compute * (args.slow_factor - 1)
-        if args.slow_where == "forward":
-            model.forward_sleep += extra
-        else:
-            model.backward_sleep += extra
+    schedule = Schedule(args, rank) if args.duration else None
+    work = torch.randn(96, 96, generator=torch.Generator().manual_seed(1))
     grad_scale = {"factor": 1.0}
     model.net[0].weight.register_hook(lambda g: g * grad_scale["factor"])
     with handle:
         for step in range(args.steps):
             if step == 0 and rank == args.first_step_delay_rank:
+                fault("late first step")
                 time.sleep(args.first_step_delay)
             if step == args.stall_step:
+                fault("data stall")
                 time.sleep(args.stall_seconds)
             if step == args.stop_step and args.stop_rank >= 0:
                 if rank == args.stop_rank:
                     stop_self_later(0.5)  # while it waits in the gradient all-reduce
                 else:
                     time.sleep(1.0)
-            if rank == args.gc_rank:
+            if step == args.slow_step and rank == args.slow_rank:
+                fault(f"slow {args.slow_where} x{args.slow_factor}")
+                extra = args.compute * (args.slow_factor - 1)
+                if args.slow_where == "forward":
+                    model.forward_sleep += extra
+                else:
+                    model.backward_sleep += extra
+            if rank == args.gc_rank and step >= args.slow_step:
+                if step == args.slow_step:
+                    fault("gc storm")
                 gc_storm()
+            for _ in range(args.work):
+                work = torch.tanh(work @ work)
             x = torch.randn(16, 32, generator=generator)
             loss = ddp(x).pow(2).mean() + 1.0
             if args.loss_spike_step <= step < args.loss_spike_step + args.spike_steps:
+                if step == args.loss_spike_step:
+                    fault("loss spike")
                 loss = loss * args.spike_factor
             if step == args.nan_step and rank == args.nan_loss_rank:
+                fault("nan loss")
                 loss = loss * float("nan")
             spike = args.grad_spike_step <= step < args.grad_spike_step + args.spike_steps
+            if step == args.grad_spike_step:
+                fault("grad-norm spike")
             nan_grad = step == args.nan_step and rank == args.nan_grad_rank
+            if nan_grad:
+                fault("nan gradients")
             grad_scale["factor"] = float("nan") if nan_grad else (args.spike_factor if spike else 1.0)
             loss.backward()
             norm = torch.nn.utils.clip_grad_norm_(ddp.parameters(), float("inf"))
@@ -139,12 +198,16 @@ def main(argv: list[str] | None = None) -> None:
             optimizer.zero_grad(set_to_none=True)
             if args.step_sleep:
                 time.sleep(args.step_sleep)
-            if args.checkpoint_every and step and step % args.checkpoint_every == 0:
+            action = schedule.next_action() if schedule and step % 10 == 9 else 0
+            if action == 3:
+                break
+            if action == 1 or (args.checkpoint_every and step and step % args.checkpoint_every == 0):
                 with handle.phase("checkpoint"):
                     if rank == 0:
                         time.sleep(args.checkpoint_seconds)  # rank 0 writes, the others wait
                     dist.barrier()
-            if args.eval_every and step and step % args.eval_every == args.eval_every // 2:
+            if action == 2 or (
+                    args.eval_every and step and step % args.eval_every == args.eval_every // 2):
                 with handle.phase("eval"):
                     time.sleep(args.eval_seconds)
                     dist.barrier()

@@ -423,3 +423,14 @@ def test_close_marks_the_identity_finished_and_an_exception_does_not(
     data = json.loads((second / "ranks" / f"{os.getpid()}.json").read_text())
     assert time.time() - data["finished"] < 5
     assert watch_module._active is None
+
+
+def test_time_blocked_in_a_phase_is_not_taken_from_the_next_step(watched: tuple) -> None:  # type: ignore[type-arg]
+    handle = start(watched)
+    train(watched[0], watched[1], 2)
+    with handle.phase("checkpoint"):
+        handle.tracker.add_blocked(3.0)  # e.g. a barrier while another rank writes
+    train(watched[0], watched[1], 1)
+    durations = value(handle, "robust_step_duration_seconds_sum")
+    computes = value(handle, "robust_step_compute_seconds_sum")
+    assert computes == pytest.approx(durations, rel=1e-6), "the phase's blocked time leaked"

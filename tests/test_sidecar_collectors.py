@@ -393,7 +393,7 @@ def test_process_collector_sees_stop_normal_end_and_exit_time(tmp_path: Path) ->
     exited, one killed with SIGKILL. The exit time comes from the kernel's pidfd report, not the
     scrape that notices it."""
     procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-             for _ in range(3)]
+             for _ in range(4)]
     try:
         (tmp_path / "ranks").mkdir()
         for rank, proc in enumerate(procs):
@@ -420,6 +420,13 @@ def test_process_collector_sees_stop_normal_end_and_exit_time(tmp_path: Path) ->
         assert exited is not None and abs(exited - killed_at) < 0.5, (exited, killed_at)
         assert sample(registry, "robust_rank_process_alive", run="r", rank="2") == 0
         assert sample(registry, "robust_rank_exit_timestamp_seconds", run="r", rank="0") is None
+        assert sample(registry, "robust_rank_finished", run="r", rank="2") is None  # a crash
+
+        # SIGTERM (a launcher stopping survivors, a cancelled job) is a stop on request
+        procs[3].terminate()
+        time.sleep(1.0)  # unreaped for a moment, as a launcher polls its children
+        procs[3].wait()
+        assert sample(registry, "robust_rank_finished", run="r", rank="3") == 1
         collector.exits.close()
         folder.close()
     finally:

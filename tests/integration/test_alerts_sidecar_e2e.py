@@ -72,10 +72,18 @@ def names(prom: PrometheusServer, run: str, alertname: str) -> set[str]:
             if a["labels"]["alertname"] == alertname}
 
 
+def unexpected(prom: PrometheusServer, run: str) -> list[dict[str, Any]]:
+    """Active alerts of `run`, except a pending ThroughputDrop: phases of 3 s in a 20 s window
+    (45 s in 5 minutes at 15 s intervals) do lower the step rate, and its `for: 10m` (40 s here)
+    outlasts them; it must never fire."""
+    return [a for a in alerts(prom, run)
+            if a["state"] == "firing" or a["labels"]["alertname"] != "ThroughputDrop"]
+
+
 def assert_silent(prom: PrometheusServer, run: str, seconds: float, job: RankJob) -> None:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        active = alerts(prom, run)
+        active = unexpected(prom, run)
         assert not active, f"{run} raised {active}\n{job.logs()}"
         time.sleep(0.5)
 
@@ -89,7 +97,7 @@ def test_phases_and_a_normal_end_raise_nothing(stack: dict[str, Any]) -> None:
     with start_job(stack, run, args) as job:
         wait_steps(prom, run, job, steps=5)
         while any(p.poll() is None for p in job.procs):
-            active = alerts(prom, run)
+            active = unexpected(prom, run)
             assert not active, f"{run} raised {active}\n{job.logs()}"
             time.sleep(0.5)
         assert job.wait(timeout=10) == [0] * WORLD, job.logs()

@@ -6,7 +6,10 @@ report that it died; the sidecar can. Per rank (the newest process of each `run`
 
 - whether the process is alive, and whether it is stopped (state `T`, SIGSTOP) or traced (`t`);
 - whether it ended normally: the hook writes `finished` into its identity file at `close()` or at
-  interpreter exit without an uncaught exception; an exited rank without it crashed or was killed;
+  interpreter exit without an uncaught exception; a rank ended by SIGTERM, SIGINT or SIGHUP (a
+  launcher stopping the survivors of a failure, a scheduler cancelling the job, a restart) was
+  stopped on request and counts as ended too; any other exit (SIGKILL, OOM kill, segfault, an
+  exception) is a crash;
 - when it exited, noticed at once through a pidfd (Linux 5.3+) rather than at the next scrape, so
   that the first rank to die can be told from the peers that die of its death a moment later;
 - its CPU time and resident memory;
@@ -21,6 +24,7 @@ import contextlib
 import logging
 import os
 import select
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -38,6 +42,22 @@ __all__ = ["ExitWatcher", "ProcessCollector", "newest_per_rank"]
 log = logging.getLogger(__name__)
 LABELS = ["run", "rank"]
 _STOPPED = {psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP}
+_REQUESTED_STOP = {int(signal.SIGTERM), int(signal.SIGINT), int(signal.SIGHUP)}
+_EXIT_CODE_FIELD = 49  # /proc/<pid>/stat field 52 (exit_code), counted after the command name
+
+
+def exit_signal(pid: int) -> int | None:
+    """The signal that ended `pid`, read from its zombie's /proc/<pid>/stat (Linux 3.5+) before
+    its parent reaps it; 0 for a plain exit, None once it is gone or unreadable."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+        fields = raw[raw.rfind(b")") + 2:].split()
+        if fields[0] not in (b"Z", b"X"):
+            return None
+        return int(fields[_EXIT_CODE_FIELD]) & 0x7F
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def newest_per_rank(identities: dict[int, RankIdentity]) -> dict[tuple[str, str], RankIdentity]:
@@ -64,6 +84,7 @@ class ExitWatcher:
         self._fds: dict[int, int] = {}  # fd -> pid
         self._pids: set[int] = set()
         self._exited: dict[int, float] = {}
+        self._signals: dict[int, int] = {}  # pid -> signal that ended it, when it was seen
         self._poll = select.poll() if hasattr(select, "poll") else None
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -97,11 +118,17 @@ class ExitWatcher:
         with self._lock:
             return self._exited.setdefault(pid, now)
 
+    def stopped_on_request(self, pid: int) -> bool:
+        """Whether `pid` was ended by SIGTERM, SIGINT or SIGHUP (seen at its exit)."""
+        with self._lock:
+            return self._signals.get(pid) in _REQUESTED_STOP
+
     def forget(self, keep: set[int]) -> None:
         """Drop the exit times of processes the folder no longer lists (bounded memory)."""
         with self._lock:
             for pid in set(self._exited) - keep:
                 del self._exited[pid]
+                self._signals.pop(pid, None)
 
     def close(self) -> None:
         self._stop = True
@@ -129,6 +156,9 @@ class ExitWatcher:
                     if pid is not None:
                         self._pids.discard(pid)
                         self._exited.setdefault(pid, now)
+                        sig = exit_signal(pid)  # the zombie lives until its parent reaps it
+                        if sig is not None:
+                            self._signals[pid] = sig
 
 
 class ProcessCollector:
@@ -166,8 +196,8 @@ class ProcessCollector:
                 except psutil.AccessDenied:
                     pass
             alive_f.add_metric(labels, 1.0 if alive else 0.0)
-            if ident.finished:  # present only when true: no series for healthy ranks
-                finished_f.add_metric(labels, 1.0)
+            if ident.finished or (not alive and self.exits.stopped_on_request(ident.pid)):
+                finished_f.add_metric(labels, 1.0)  # present only when true: no healthy series
             if not alive:
                 exit_f.add_metric(labels, self.exits.exited(ident.pid, now))
                 continue

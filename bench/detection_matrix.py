@@ -1,0 +1,370 @@
+"""Detection matrix: per fault, the right alert, the right rank, the latency, the false alerts.
+
+    .venv/bin/python bench/detection_matrix.py [--trials 3] [--faults kill9,stall,...]
+        [--healthy-seconds 240] [--out results.json]
+
+Real parts only: a 4-rank gloo job (tests/fault_job.py: an MLP with Adam under DDP and one
+`watch()` line) writing to a multiprocess folder, a real `robust-metrics sidecar` serving it
+(with a copy of the sysfs fixture as its /sys, so a NIC flap can be injected), a real Prometheus
+scraping the sidecar and evaluating the shipped rules every second, rescaled by 1/15
+(`robust-metrics rules --time-scale`), the ratio of these intervals to the 15 s defaults.
+
+Every trial is one run id. A positive trial waits until the four ranks step, injects its fault
+(in the job: the faulty rank prints `FAULT <unix time>`; from outside: the time of the signal), then
+polls Prometheus' alerts every 0.25 s until the expected alert fires with the expected rank, and
+keeps watching for 3 s more. A negative trial (a healthy run with checkpoint and eval phases, a
+normal end) watches for the whole run and 5 s after it. Every firing alert of the run (and every
+node-level alert) is classified: expected, an accepted companion (TrainingHang beside RankHang,
+StragglerSlowdownHigh beside SlowRank, ...) or false. Precision = alerts that were right / all
+firing alerts; recall = positive trials whose expected alert fired (with the right rank where the
+alert names one) / positive trials. Latencies here are at 1 s intervals; `FORMULAS` gives them at
+the 15 s defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from robust_metrics import rules
+from tests.prometheus_fixture import PrometheusServer
+from tests.support import ROOT, RankJob, SidecarProcess, wait_until
+
+WORLD = 4
+NODE = "node-a"
+JOB = ROOT / "tests" / "fault_job.py"
+FAULT_STEP = 150  # in-job faults start here: after the spike detector's warmup and a SlowRank baseline
+
+
+@dataclass
+class Fault:
+    """One fault type: the job's options, the alert expected, the rank it must name."""
+
+    name: str
+    args: list[str]
+    expected: str | None  # None: a negative (nothing may fire)
+    rank: int | None = None  # the rank the alert must name; None: a run- or node-level alert
+    companions: frozenset[str] = frozenset()
+    inject: str = "job"  # job (the job prints FAULT), kill9, sigstop, nic, contention, none
+    formula: str = ""
+    timeout: float = 60.0
+    steps_first: int = 20  # steps every rank makes before the fault (0: the fault comes first)
+
+
+HANG = frozenset({"TrainingHang"})
+SLOW = frozenset({"StragglerSlowdownHigh", "ThroughputDrop"})
+SLOW_FORMULA = "60 s x 0.2 / (R - 1) + 30 s + ≤ 15 s + ≤ 15 s"
+
+
+def faults(healthy_seconds: float) -> list[Fault]:
+    step = str(FAULT_STEP)
+    checkpoints, evals = 10, 5
+    return [
+        Fault("healthy-1h", ["--duration", str(healthy_seconds), "--checkpoints", str(checkpoints),
+                             "--evals", str(evals), "--checkpoint-seconds", "3",
+                             "--eval-seconds", "3", "--shutdown-seconds", "3"],
+              None, inject="none", formula="nothing", timeout=healthy_seconds + 120),
+        Fault("normal-end", ["--steps", "300", "--shutdown-seconds", "3"], None, inject="none",
+              formula="nothing"),
+        # without a launcher to stop them, the peers hang in their next all-reduce: a true hang
+        Fault("kill9", [], "RankExited", 2, frozenset({"TrainingHang", "RankHang(rank 2)"}),
+              inject="kill9", formula="≤ 15 s + ≤ 15 s"),
+        Fault("late-first-step", ["--first-step-delay-rank", "1", "--first-step-delay", "20"],
+              "RankHang", 1, HANG, formula="30 s + ≤ 15 s + ≤ 15 s", steps_first=0),
+        Fault("stop-in-collective", ["--stop-rank", "3", "--stop-step", step], "RankHang", 3,
+              HANG, formula="30 s + 2 scrapes + ≤ 15 s"),
+        Fault("sigstop-random", [], "RankHang", 2, HANG, inject="sigstop",
+              formula="30 s + 2 scrapes + ≤ 15 s"),
+        *[Fault(f"slow-{factor}x-{where}", ["--slow-rank", "1", "--slow-factor", factor,
+                                             "--slow-where", where, "--slow-step", step,
+                                             "--compute", "0.1"],
+                "SlowRank", 1, SLOW, formula=SLOW_FORMULA)
+          for factor in ("1.3", "2") for where in ("forward", "backward")],
+        Fault("data-stall", ["--stall-step", step, "--stall-seconds", "8"], "TrainingHang", None,
+              frozenset({"ThroughputDrop"}), formula="30 s + ≤ 15 s + ≤ 15 s"),
+        Fault("gc-storm", ["--gc-rank", "2", "--slow-step", step, "--compute", "0.1"],
+              "SlowRank", 2, SLOW, formula=SLOW_FORMULA),
+        Fault("cpu-contention", ["--work", "12", "--compute", "0.02"], "SlowRank", 3, SLOW,
+              inject="contention", formula=SLOW_FORMULA),
+        Fault("nan-loss", ["--nan-loss-rank", "1", "--nan-step", step], "NonFiniteLoss", 1,
+              frozenset({"NonFiniteGradients"}), formula="≤ 15 s + ≤ 15 s"),
+        Fault("nan-grad", ["--nan-grad-rank", "3", "--nan-step", step], "NonFiniteGradients",
+              None, formula="≤ 15 s + ≤ 15 s"),
+        Fault("loss-spike", ["--loss-spike-step", step], "LossSpike", None,
+              frozenset({"GradNormSpike"}), formula="≤ 15 s + ≤ 15 s"),
+        Fault("grad-norm-spike", ["--grad-spike-step", step], "GradNormSpike", None,
+              formula="≤ 15 s + ≤ 15 s"),
+        Fault("nic-flap", [], "NICFlapping", None, inject="nic", formula="≤ 15 s + ≤ 15 s"),
+    ]
+
+
+@dataclass
+class Trial:
+    fault: str
+    trial: int
+    detected: bool = False
+    right_rank: bool | None = None
+    latency_s: float | None = None
+    true_alerts: list[str] = field(default_factory=list)
+    false_alerts: list[str] = field(default_factory=list)
+    note: str = ""
+
+
+class Bench:
+    def __init__(self, folder: Path, prom: PrometheusServer, metrics: Path, sysfs: Path) -> None:
+        self.folder, self.prom, self.metrics, self.sysfs = folder, prom, metrics, sysfs
+
+    # -- observing -------------------------------------------------------------------------
+    def firing(self, run: str) -> list[dict[str, Any]]:
+        """Firing alerts of the run, and node-level alerts (no run label) of the node."""
+        return [a for a in self.prom.api("alerts")["alerts"] if a["state"] == "firing"
+                and (a["labels"].get("run") == run
+                     or ("run" not in a["labels"] and a["labels"].get("node") == NODE))]
+
+    def wait_stepping(self, run: str, job: RankJob, steps: int = 20) -> None:
+        def stepping() -> bool:
+            result = self.prom.query(f'count(robust_steps_total{{run="{run}"}} > {steps})')
+            return bool(result) and float(result[0]["value"][1]) == WORLD
+        try:
+            wait_until(stepping, timeout=120, interval=0.5, message=f"{run} stepping")
+        except AssertionError as exc:
+            raise RuntimeError(f"{exc}\n{job.logs()}") from None
+
+    @staticmethod
+    def fault_time(job: RankJob, timeout: float) -> float:
+        def found() -> float | None:
+            for rank in range(WORLD):
+                path = job.log_dir / f"rank{rank}.log"  # type: ignore[operator]
+                match = re.search(r"^FAULT (\d+\.\d+)", path.read_text(errors="replace"), re.M)
+                if match:
+                    return float(match.group(1))
+            return None
+        return wait_until(found, timeout=timeout, interval=0.1, message="the job's FAULT line")
+
+    # -- a trial ---------------------------------------------------------------------------
+    def run_trial(self, fault: Fault, trial: int) -> Trial:
+        run = f"{fault.name}-{trial}"
+        logs = self.folder / f"logs-{run}"
+        logs.mkdir()
+        result = Trial(fault.name, trial)
+        seen: dict[str, dict[str, Any]] = {}
+        job = RankJob(WORLD, fault.args, script=JOB, log_dir=logs, run=run,
+                      env={"ROBUST_METRICS_DIR": str(self.metrics), "ROBUST_METRICS_NODE": NODE})
+        cleanup: list[Callable[[], None]] = []
+        try:
+            if fault.steps_first:
+                self.wait_stepping(run, job, fault.steps_first)
+            if fault.expected is None:
+                self._watch_negative(run, job, fault, seen)
+            else:
+                t0 = self._inject(fault, job, cleanup)
+                self._watch_positive(run, fault, t0, result, seen)
+        except Exception as exc:  # a trial that breaks is reported, not hidden
+            result.note = f"error: {exc}"[:300]
+        finally:
+            for undo in reversed(cleanup):
+                with contextlib.suppress(Exception):
+                    undo()
+            job.kill()
+        if fault.inject == "nic":  # node-level: let it resolve before the next trial
+            with contextlib.suppress(AssertionError):
+                wait_until(lambda: not self.firing("-"), timeout=60, interval=1,
+                           message="node alerts resolved")
+        self._classify(fault, seen, result)
+        return result
+
+    def _inject(self, fault: Fault, job: RankJob, cleanup: list[Callable[[], None]]) -> float:
+        if fault.inject == "job":
+            return self.fault_time(job, timeout=120)
+        time.sleep(random.uniform(0.5, 2.0))  # a random moment of the step
+        if fault.inject == "kill9":
+            os.kill(job.pids[fault.rank], signal.SIGKILL)  # type: ignore[index]
+        elif fault.inject == "sigstop":
+            pid = job.pids[fault.rank]  # type: ignore[index]
+            os.kill(pid, signal.SIGSTOP)
+            cleanup.append(lambda: os.kill(pid, signal.SIGCONT))
+        elif fault.inject == "nic":
+            self._flap_nic()
+        elif fault.inject == "contention":
+            cleanup.extend(self._contend(job.pids[fault.rank]))  # type: ignore[index]
+        return time.time()
+
+    def _flap_nic(self) -> None:
+        """Two flaps of eth1 in the sysfs copy: carrier down and up twice (4 changes)."""
+        net = self.sysfs / "class" / "net" / "eth1"
+        for carrier in ("0", "1", "0", "1"):
+            changes = int((net / "carrier_changes").read_text()) + 1
+            (net / "carrier").write_text(carrier + "\n")
+            (net / "carrier_changes").write_text(f"{changes}\n")
+            time.sleep(0.3)
+
+    @staticmethod
+    def _contend(pid: int) -> list[Callable[[], None]]:
+        """Pin the rank to CPU 0 with two busy processes pinned there too."""
+        cpu = {0}
+        os.sched_setaffinity(pid, cpu)
+        hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"],
+                                 preexec_fn=lambda: os.sched_setaffinity(0, cpu))
+                for _ in range(2)]
+        return [lambda h=h: (h.kill(), h.wait()) for h in hogs]  # type: ignore[misc]
+
+    def _watch_positive(self, run: str, fault: Fault, t0: float, result: Trial,
+                        seen: dict[str, dict[str, Any]]) -> None:
+        deadline = time.time() + fault.timeout
+        settle_until = None
+        while time.time() < (settle_until or deadline):
+            now = time.time()
+            for alert in self.firing(run):
+                key = json.dumps(alert["labels"], sort_keys=True)
+                seen.setdefault(key, alert)
+                if (not result.detected and alert["labels"]["alertname"] == fault.expected
+                        and (fault.rank is None
+                             or alert["labels"].get("rank") == str(fault.rank))):
+                    result.detected, result.latency_s = True, round(now - t0, 2)
+                    settle_until = now + 3
+            time.sleep(0.25)
+
+    def _watch_negative(self, run: str, job: RankJob, fault: Fault,
+                        seen: dict[str, dict[str, Any]]) -> None:
+        deadline = time.time() + fault.timeout
+        ended = None
+        while time.time() < deadline and (ended is None or time.time() < ended + 5):
+            for alert in self.firing(run):
+                seen.setdefault(json.dumps(alert["labels"], sort_keys=True), alert)
+            if ended is None and all(p.poll() is not None for p in job.procs):
+                ended = time.time()
+            time.sleep(0.25)
+        if ended is None:
+            raise RuntimeError("the job did not end in time")
+
+    @staticmethod
+    def _classify(fault: Fault, seen: dict[str, dict[str, Any]], result: Trial) -> None:
+        for alert in seen.values():
+            labels = alert["labels"]
+            name = labels["alertname"]
+            tag = name + (f"(rank {labels['rank']})" if "rank" in labels else "")
+            right = name == fault.expected and (fault.rank is None
+                                                or labels.get("rank") == str(fault.rank))
+            if right or name in fault.companions or tag in fault.companions:
+                result.true_alerts.append(tag)
+            else:
+                result.false_alerts.append(tag)
+        if fault.expected is not None and fault.rank is not None:
+            result.right_rank = result.detected
+
+
+def summarize(results: list[Trial], chosen: list[Fault]) -> dict[str, Any]:
+    by_name = {f.name: f for f in chosen}
+    positives = [r for r in results if by_name[r.fault].expected is not None]
+    true = sum(len(r.true_alerts) for r in results)
+    false = sum(len(r.false_alerts) for r in results)
+    rows = []
+    for fault in chosen:
+        trials = [r for r in results if r.fault == fault.name]
+        latencies = [r.latency_s for r in trials if r.latency_s is not None]
+        rows.append({
+            "fault": fault.name, "expected": fault.expected or "nothing",
+            "rank": fault.rank, "trials": len(trials),
+            "detected": sum(r.detected for r in trials) if fault.expected else None,
+            "right_rank": (sum(bool(r.right_rank) for r in trials)
+                           if fault.rank is not None else None),
+            "latency_s": latencies,
+            "false_alerts": sorted({a for r in trials for a in r.false_alerts}),
+            "false_alert_count": sum(len(r.false_alerts) for r in trials),
+            "notes": [r.note for r in trials if r.note],
+            "formula_15s": fault.formula,
+        })
+    return {
+        "rows": rows,
+        "recall": (sum(r.detected for r in positives) / len(positives)) if positives else None,
+        "precision": true / (true + false) if true + false else None,
+        "alerts_true": true, "alerts_false": false,
+        "trials": len(results),
+    }
+
+
+def markdown(summary: dict[str, Any]) -> str:
+    lines = ["| fault | expected alert | trials | detected | right rank | latency at 1 s (s) "
+             "| false alerts | formula at 15 s |", "|---|---|---|---|---|---|---|---|"]
+    for row in summary["rows"]:
+        lat = ", ".join(f"{x:.1f}" for x in row["latency_s"]) or "-"
+        rank = "-" if row["right_rank"] is None else f"{row['right_rank']}/{row['trials']}"
+        detected = "-" if row["detected"] is None else f"{row['detected']}/{row['trials']}"
+        expected = row["expected"] + (f" (rank {row['rank']})" if row["rank"] is not None else "")
+        false = ", ".join(row["false_alerts"]) or "0"
+        lines.append(f"| {row['fault']} | {expected} | {row['trials']} | {detected} | {rank} "
+                     f"| {lat} | {false} | {row['formula_15s']} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    all_faults = faults(240)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--trials", type=int, default=3)
+    p.add_argument("--faults", default="all",
+                   help="comma-separated: " + ", ".join(f.name for f in all_faults))
+    p.add_argument("--healthy-seconds", type=float, default=240.0,
+                   help="length of the healthy run (240 s at 1/15 = 1 hour at the defaults)")
+    p.add_argument("--out", default="", help="write the results as JSON here")
+    p.add_argument("--seed", type=int, default=13)
+    args = p.parse_args(argv)
+    random.seed(args.seed)
+    chosen = faults(args.healthy_seconds)
+    if args.faults != "all":
+        wanted = args.faults.split(",")
+        unknown = set(wanted) - {f.name for f in chosen}
+        if unknown:
+            p.error(f"unknown faults: {', '.join(sorted(unknown))}")
+        chosen = [f for f in chosen if f.name in wanted]
+    folder = Path(tempfile.mkdtemp(prefix="detection-matrix-"))
+    metrics, sysfs = folder / "metrics", folder / "sysfs"
+    metrics.mkdir()
+    shutil.copytree(ROOT / "tests" / "fixtures" / "sysfs", sysfs)
+    net = sysfs / "class" / "net" / "eth1"
+    (net / "carrier").write_text("1\n")  # up, so that the flap is a change
+    rule_file = folder / "rules-1s.yml"
+    rule_file.write_text(rules.render(rules.load_groups(time_scale=1 / 15)))
+    results: list[Trial] = []
+    started = time.time()
+    sidecar = SidecarProcess(metrics, ["--node", NODE, "--path.sysfs", str(sysfs)],
+                             log_path=folder / "sidecar.log")
+    with sidecar, PrometheusServer(folder / "prometheus", [sidecar.url.removeprefix("http://")],
+                                   rule_files=[rule_file]) as prom:
+        bench = Bench(folder, prom, metrics, sysfs)
+        for trial in range(args.trials):
+            for fault in chosen:
+                result = bench.run_trial(fault, trial)
+                results.append(result)
+                print(json.dumps(result.__dict__), flush=True)
+    summary = summarize(results, chosen)
+    summary["wall_seconds"] = round(time.time() - started)
+    summary["date"] = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    print(markdown(summary))
+    print(f"precision {summary['precision']}, recall {summary['recall']}, "
+          f"{summary['trials']} trials in {summary['wall_seconds']} s")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"summary": summary,
+                                              "trials": [r.__dict__ for r in results]}, indent=1))
+    shutil.rmtree(folder, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
