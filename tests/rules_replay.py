@@ -75,7 +75,8 @@ def _advance(state: list[_Rank], t0: float, elapsed: float) -> None:
         s.last_step = t0 + elapsed
 
 
-def _rank_samples(rank: int, s: _Rank, t0: float, elapsed: float) -> Iterator[tuple[str, dict[str, str], float]]:
+def _rank_samples(rank: int, s: _Rank, t0: float, elapsed: float
+                  ) -> Iterator[tuple[str, dict[str, str], float]]:
     base = {"run": RUN, "rank": str(rank)}
     steps = math.floor(s.steps)
     in_ckpt = CKPT[0] <= elapsed < CKPT[1]

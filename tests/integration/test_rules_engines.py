@@ -24,7 +24,6 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
