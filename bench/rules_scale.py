@@ -1,6 +1,8 @@
-"""Rule evaluation cost at scale: a real Prometheus scraping a synthetic 16,384-rank job.
+"""Rule evaluation cost at scale: a real Prometheus, or VictoriaMetrics with vmagent shards and
+vmalert, scraping a synthetic 16,384-rank job.
 
     .venv/bin/python bench/rules_scale.py [--ranks 16384] [--duration 180] [--interval 15s]
+        [--engine prometheus|victoriametrics|both] [--shards 2]
 
 A synthetic exporter serves, for every rank, the series the hook publishes in-process (every rank
 metric of the schema, one op/group for the collective metrics, three phases) plus the per-rank
@@ -138,86 +140,78 @@ class Exporter:
         self.server.server_close()
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ranks", type=int, default=16384)
-    parser.add_argument("--per-target", type=int, default=512)
-    parser.add_argument("--duration", type=float, default=180, help="seconds of evaluation")
-    parser.add_argument("--interval", default="15s", help="scrape and evaluation interval")
-    args = parser.parse_args(argv)
+BASELINE = {"name": "bench-baseline", "rules": [
+    {"record": "bench:robust_global_step:count", "expr": "count(robust_global_step)"},
+    {"record": "bench:robust_steps:rate5m_sum", "expr": "sum(rate(robust_steps_total[5m]))"}]}
 
-    with tempfile.TemporaryDirectory() as tmp, Exporter(args.ranks, args.per_target) as exporter:
-        print(f"exporter: {args.ranks} ranks, {exporter.series} series "
-              f"({exporter.series / args.ranks:.1f} per rank), {len(exporter.templates)} targets")
-        rule_file = Path(tmp) / "rules.yml"
-        # baseline: the cheapest useful rules over every rank, to express group costs as ratios
-        # in the same run (this 2-core VM is shared, so absolute times swing with its load)
-        baseline = {"name": "bench-baseline", "rules": [
-            {"record": "bench:robust_global_step:count", "expr": "count(robust_global_step)"},
-            {"record": "bench:robust_steps:rate5m_sum",
-             "expr": "sum(rate(robust_steps_total[5m]))"}]}
-        rule_file.write_text(rules.render([*rules.load_groups(), baseline]))
-        scrape = [{"job_name": f"shard{i}", "metrics_path": f"/shard/{i}",
-                   "static_configs": [{"targets": [f"127.0.0.1:{exporter.port}"]}]}
-                  for i in range(len(exporter.templates))]
-        prom = Prometheus(Path(tmp) / "prom", [], rule_files=[rule_file],
-                          scrape_interval=args.interval, evaluation_interval=args.interval,
-                          extra_scrape_configs=scrape)
-        with prom:
-            durations: dict[str, list[float]] = {}
-            seen: set[tuple[str, str]] = set()
-            deadline = time.monotonic() + args.duration
-            while time.monotonic() < deadline:
-                time.sleep(2)
-                for group in prom.api("rules")["groups"]:
-                    key = (group["name"], group["lastEvaluation"])
-                    if group["lastEvaluation"].startswith("0001") or key in seen:
-                        continue
-                    seen.add(key)
-                    durations.setdefault(group["name"], []).append(group["evaluationTime"])
-            print(json.dumps({name: {"evaluations": len(v), "median_s": statistics.median(v),
-                                     "max_s": max(v)} for name, v in sorted(durations.items())}),
-                  flush=True)
-            slowest = sorted(((r["evaluationTime"], r["name"])
-                              for g in prom.api("rules")["groups"] for r in g["rules"]),
-                             reverse=True)[:8]
-            errors = [r["name"] for g in prom.api("rules")["groups"]
-                      for r in g["rules"] if r.get("health") == "err"]
-            # per-record counts are cheap; a count over every series is not at this size
-            rank_records = [r["record"] for r in rules.recording_rules(rules.load_groups())
-                            if r["record"].split(":")[0] in ("run_rank", "node_gpu")]
-            recorded_rank = sum(float(v[0]["value"][1]) for v in
-                                (prom.query(f"count({name})") for name in rank_records) if v)
-            head = prom.api("status/tsdb")["headStats"]
-            scrape_s = [float(r["value"][1]) for r in prom.query("scrape_duration_seconds")]
-            slowdown = prom.query("run:robust_straggler_slowdown:ratio5m")
-            slow = prom.query("run_rank:robust_step_compute_seconds:ratio_to_median5m > 1.25")
-            rss = psutil.Process(prom.proc.pid).memory_info().rss if prom.proc else 0
-            # Quiet replay: stop the exporter (no more ingestion), then run every rule's
-            # expression as an instant query at a moment inside the data, in group order,
-            # and sum the engine's own timings per group.
-            t_query = time.time() - 2 * rules.parse_duration(args.interval) / 1000
-            exporter.server.shutdown()
-            time.sleep(3 * rules.parse_duration(args.interval) / 1000)
-            quiet: dict[str, list[float]] = {}
-            per_rule: dict[str, float] = {}
-            for _ in range(3):
-                for group in [*rules.load_groups(), baseline]:
-                    total = 0.0
-                    for rule in group["rules"]:
-                        data = prom.api("query", query=rule["expr"], time=t_query, stats="all")
-                        took = float(data["stats"]["timings"]["execTotalTime"])
-                        total += took
-                        name = rule.get("record") or rule.get("alert")
-                        per_rule[name] = min(per_rule.get(name, took), took)
-                    quiet.setdefault(group["name"], []).append(total)
+
+def _group_table(durations: dict[str, list[float]]) -> dict[str, dict[str, float]]:
     base = statistics.median(durations.get("bench-baseline", [0.0])) or float("nan")
-    result = {
-        "ranks": args.ranks, "interval": args.interval,
-        "scraped_series_per_rank": exporter.series / args.ranks,
+    return {name: {"evaluations": len(v), "median_s": round(statistics.median(v), 4),
+                   "max_s": round(max(v), 4),
+                   "median_x_baseline": round(statistics.median(v) / base, 1)}
+            for name, v in sorted(durations.items()) if v}
+
+
+def measure_prometheus(args: argparse.Namespace, exporter: Exporter, rule_file: Path,
+                       scrape: list[dict[str, object]], tmp: Path) -> dict[str, object]:
+    """Prometheus scraping every target and evaluating the rules; then a quiet replay."""
+    prom = Prometheus(tmp / "prom", [], rule_files=[rule_file],
+                            scrape_interval=args.interval, evaluation_interval=args.interval,
+                            extra_scrape_configs=scrape)
+    with prom:
+        durations: dict[str, list[float]] = {}
+        seen: set[tuple[str, str]] = set()
+        appended = _sum(_metrics(prom.url), "prometheus_tsdb_head_samples_appended_total")
+        t0 = time.monotonic()
+        deadline = time.monotonic() + args.duration
+        while time.monotonic() < deadline:
+            time.sleep(2)
+            for group in prom.api("rules")["groups"]:
+                key = (group["name"], group["lastEvaluation"])
+                if group["lastEvaluation"].startswith("0001") or key in seen:
+                    continue
+                seen.add(key)
+                durations.setdefault(group["name"], []).append(group["evaluationTime"])
+        appended = (_sum(_metrics(prom.url), "prometheus_tsdb_head_samples_appended_total")
+                    - appended) / (time.monotonic() - t0)
+        slowest = sorted(((r["evaluationTime"], r["name"])
+                          for g in prom.api("rules")["groups"] for r in g["rules"]),
+                         reverse=True)[:8]
+        errors = [r["name"] for g in prom.api("rules")["groups"]
+                  for r in g["rules"] if r.get("health") == "err"]
+        # per-record counts are cheap; a count over every series is not at this size
+        rank_records = [r["record"] for r in rules.recording_rules(rules.load_groups())
+                        if r["record"].split(":")[0] in ("run_rank", "node_gpu")]
+        recorded_rank = sum(float(v[0]["value"][1]) for v in
+                            (prom.query(f"count({name})") for name in rank_records) if v)
+        head = prom.api("status/tsdb")["headStats"]
+        scrape_s = [float(r["value"][1]) for r in prom.query("scrape_duration_seconds")]
+        slowdown = prom.query("run:robust_straggler_slowdown:ratio5m")
+        slow = prom.query("run_rank:robust_step_compute_seconds:ratio_to_median5m > 1.25")
+        rss = psutil.Process(prom.proc.pid).memory_info().rss if prom.proc else 0
+        # Quiet replay: stop the exporter (no more ingestion), then run every rule's
+        # expression as an instant query at a moment inside the data, in group order,
+        # and sum the engine's own timings per group.
+        t_query = time.time() - 2 * rules.parse_duration(args.interval) / 1000
+        exporter.server.shutdown()
+        time.sleep(3 * rules.parse_duration(args.interval) / 1000)
+        quiet: dict[str, list[float]] = {}
+        per_rule: dict[str, float] = {}
+        for _ in range(3):
+            for group in [*rules.load_groups(), BASELINE]:
+                total = 0.0
+                for rule in group["rules"]:
+                    data = prom.api("query", query=rule["expr"], time=t_query, stats="all")
+                    took = float(data["stats"]["timings"]["execTotalTime"])
+                    total += took
+                    name = rule.get("record") or rule.get("alert")
+                    per_rule[name] = min(per_rule.get(name, took), took)
+                quiet.setdefault(group["name"], []).append(total)
+    return {
         "recorded_rank_series_per_rank": recorded_rank / args.ranks,
         "head_series_total": head["numSeries"],
+        "samples_appended_per_s": appended,
         "prometheus_rss_gib": rss / 2**30,
         "scrape_duration_s_max": max(scrape_s, default=0.0),
         "rule_errors": errors,
@@ -227,11 +221,125 @@ def main(argv: list[str] | None = None) -> int:
         "quiet_slowest_rules_s": sorted(((round(t, 4), n) for n, t in per_rule.items()),
                                         reverse=True)[:8],
         "quiet_replay_s": {name: round(statistics.median(v), 4) for name, v in quiet.items()},
-        "groups": {name: {"evaluations": len(v), "median_s": round(statistics.median(v), 4),
-                          "max_s": round(max(v), 4),
-                          "median_x_baseline": round(statistics.median(v) / base, 1)}
-                   for name, v in sorted(durations.items())},
+        "groups": _group_table(durations),
     }
+
+
+def _metrics(url: str) -> dict[str, float]:
+    """One scrape of a VictoriaMetrics component's own /metrics, as {sample line name: value}."""
+    import httpx
+
+    out: dict[str, float] = {}
+    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
+def _sum(metrics: dict[str, float], prefix: str) -> float:
+    return sum(v for k, v in metrics.items() if k.startswith(prefix))
+
+
+def measure_victoriametrics(args: argparse.Namespace, rule_file: Path,
+                            scrape: list[dict[str, object]], tmp: Path) -> dict[str, object]:
+    """Two vmagent shards -> VictoriaMetrics <- vmalert, as deployed (docs/victoriametrics.md).
+
+    Group evaluation time is vmalert's own `vmalert_iteration_duration_seconds` (sum / count
+    over the measured period): it includes the HTTP round trip and decoding of each rule's
+    result, where Prometheus evaluates in-process."""
+    from tests.victoriametrics_fixture import VictoriaMetricsServer, VMAgent, VMAlert, alertmanager_service
+
+    vm = VictoriaMetricsServer(tmp / "vm")
+    shards = [VMAgent(tmp / f"vmagent{i}", vm, [], scrape_interval=args.interval,
+                      extra_scrape_configs=scrape, members=args.shards, member=i)
+              for i in range(args.shards)]
+    with vm, alertmanager_service(tmp / "am") as am:
+        for shard in shards:
+            shard.start()
+        vmalert = VMAlert(tmp / "vmalert", vm, rule_files=[rule_file], notifier_url=am,
+                          evaluation_interval=args.interval, extra_args=[
+                              "-remoteWrite.maxQueueSize=4000000",
+                              "-remoteWrite.maxBatchSize=10000", "-remoteWrite.concurrency=4"])
+        try:
+            with vmalert:
+                # first evaluations run on a partly filled window: measure after one interval
+                time.sleep(2 * rules.parse_duration(args.interval) / 1000)
+                before = {"vm": _metrics(vm.url), "vmalert": _metrics(vmalert.url)}
+                t0 = time.monotonic()
+                time.sleep(args.duration)
+                after = {"vm": _metrics(vm.url), "vmalert": _metrics(vmalert.url)}
+                elapsed = time.monotonic() - t0
+                durations = {}
+                for key, total in after["vmalert"].items():
+                    if key.startswith("vmalert_iteration_duration_seconds_sum{"):
+                        group = key.split('group="', 1)[1].split('"', 1)[0]
+                        count_key = key.replace("_sum{", "_count{")
+                        n = after["vmalert"][count_key] - before["vmalert"].get(count_key, 0)
+                        spent = total - before["vmalert"].get(key, 0)
+                        durations[group] = [spent / n] * int(n) if n else []
+                slow = vm.query("run_rank:robust_step_compute_seconds:ratio_to_median5m > 1.25")
+                slowdown = vm.query("run:robust_straggler_slowdown:ratio5m")
+                rss = {name: psutil.Process(p.pid).memory_info().rss / 2**30
+                       for name, p in [("victoria-metrics", vm), ("vmalert", vmalert),
+                                       *((f"vmagent{i}", s) for i, s in enumerate(shards))]
+                       if p.pid}
+                errors = (_sum(after["vmalert"], "vmalert_recording_rules_errors_total")
+                          + _sum(after["vmalert"], "vmalert_alerts_errors_total"))
+                missed = _sum(after["vmalert"], "vmalert_iteration_missed_total")
+        finally:
+            for shard in shards:
+                shard.stop()
+    rows = (_sum(after["vm"], "vm_rows_inserted_total")
+            - _sum(before["vm"], "vm_rows_inserted_total"))
+    return {
+        "shards": args.shards,
+        "series_created_total": _sum(after["vm"], "vm_new_timeseries_created_total"),
+        "samples_inserted_per_s": rows / elapsed,
+        "rss_gib": {k: round(v, 3) for k, v in rss.items()},
+        "rule_errors_total": errors,
+        "iterations_missed_total": missed,
+        "straggler_slowdown": slowdown[0]["value"][1] if slowdown else None,
+        "slow_ranks_found": [s["metric"]["rank"] for s in slow],
+        "groups": {name: {"evaluations": len(v), "mean_s": round(v[0], 4) if v else None}
+                   for name, v in sorted(durations.items())},
+        "groups_x_baseline": {name: round(v[0] / durations["bench-baseline"][0], 1)
+                              for name, v in sorted(durations.items())
+                              if v and durations.get("bench-baseline")},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ranks", type=int, default=16384)
+    parser.add_argument("--per-target", type=int, default=512)
+    parser.add_argument("--duration", type=float, default=180, help="seconds of evaluation")
+    parser.add_argument("--interval", default="15s", help="scrape and evaluation interval")
+    parser.add_argument("--engine", choices=("prometheus", "victoriametrics", "both"),
+                        default="prometheus",
+                        help="both: VictoriaMetrics first, then Prometheus, same exporter")
+    parser.add_argument("--shards", type=int, default=2, help="vmagent shards")
+    args = parser.parse_args(argv)
+
+    with tempfile.TemporaryDirectory() as tmp, Exporter(args.ranks, args.per_target) as exporter:
+        print(f"exporter: {args.ranks} ranks, {exporter.series} series "
+              f"({exporter.series / args.ranks:.1f} per rank), {len(exporter.templates)} targets",
+              flush=True)
+        rule_file = Path(tmp) / "rules.yml"
+        # baseline: the cheapest useful rules over every rank, to express group costs as ratios
+        # in the same run (this 2-core VM is shared, so absolute times swing with its load)
+        rule_file.write_text(rules.render([*rules.load_groups(), BASELINE]))
+        scrape = [{"job_name": f"shard{i}", "metrics_path": f"/shard/{i}",
+                   "static_configs": [{"targets": [f"127.0.0.1:{exporter.port}"]}]}
+                  for i in range(len(exporter.templates))]
+        result: dict[str, object] = {"ranks": args.ranks, "interval": args.interval,
+                                     "scraped_series_per_rank": exporter.series / args.ranks}
+        if args.engine in ("victoriametrics", "both"):
+            result["victoriametrics"] = measure_victoriametrics(args, rule_file, scrape, Path(tmp))
+            print(json.dumps(result["victoriametrics"]), flush=True)
+        if args.engine in ("prometheus", "both"):
+            result["prometheus"] = measure_prometheus(args, exporter, rule_file, scrape, Path(tmp))
     print(json.dumps(result, indent=2))
     return 0
 
