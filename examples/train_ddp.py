@@ -48,6 +48,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hang-rank", type=int, default=-1)
     p.add_argument("--hang-step", type=int, default=-1)
     p.add_argument("--checkpoint-dir", default="", help="save and resume checkpoints here")
+    p.add_argument("--checkpoint-every", type=int, default=0,
+                   help="also save a checkpoint every N steps (0: only on request)")
+    p.add_argument("--crash-rank", type=int, default=-1)
+    p.add_argument("--crash-step", type=int, default=-1,
+                   help="the crash rank raises at this step, after every restart too")
     p.add_argument("--summary", action="store_true", help="print the published metrics at the end")
     return p.parse_args(argv)
 
@@ -87,6 +92,8 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"rank {rank}: hanging at step {step}", flush=True)
                 while True:
                     time.sleep(1)
+            if rank == args.crash_rank and step == args.crash_step:
+                raise RuntimeError(f"rank {rank}: injected crash at step {step}")
             for _ in range(args.accumulate):
                 x = torch.randn(16, args.width, generator=generator)
                 loss = ddp(x).pow(2).mean() / args.accumulate
@@ -100,6 +107,9 @@ def main(argv: list[str] | None = None) -> None:
                         p.grad.zero_()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
+                with handle.phase("checkpoint"):
+                    save_checkpoint(step + 1)
             if args.step_sleep:
                 time.sleep(args.step_sleep)
         if args.summary:

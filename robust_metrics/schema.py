@@ -441,6 +441,44 @@ HANG_SUSPECT = _declare(
     labels=("run", "rank", "node"), source=BRIDGE,
 )
 
+INCIDENT_BUCKETS = (1, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, 7200)
+INCIDENT_DETECT = _declare(
+    "robust_bridge_incident_detect_seconds", H,
+    "Incident ledger: seconds from the fault (a hang: the run's last step; otherwise the alert's "
+    "startsAt) to the bridge receiving the alert.",
+    labels=("alertname",), source=BRIDGE, unit="seconds", buckets=INCIDENT_BUCKETS,
+)
+INCIDENT_ACT = _declare(
+    "robust_bridge_incident_act_seconds", H,
+    "Incident ledger: seconds from the bridge receiving the alert to the end of its remedial "
+    "action (restart or drain_node).",
+    labels=("alertname",), source=BRIDGE, unit="seconds", buckets=INCIDENT_BUCKETS,
+)
+INCIDENT_RECOVER = _declare(
+    "robust_bridge_incident_recover_seconds", H,
+    "Incident ledger: seconds from the end of the remedial action to the run's first step after "
+    "it, as Prometheus scraped it.",
+    labels=("alertname",), source=BRIDGE, unit="seconds", buckets=INCIDENT_BUCKETS,
+)
+INCIDENT_LOST_STEPS = _declare(
+    "robust_bridge_incident_lost_steps_total", C,
+    "Incident ledger: steps redone after resuming from a checkpoint (highest step before the "
+    "action minus the step the run resumed from), by alert.",
+    labels=("alertname",), source=BRIDGE,
+)
+INCIDENTS = _declare(
+    "robust_bridge_incidents_total", C,
+    "Incident ledger: incidents entered, by alert and outcome (recovered, crash_loop, "
+    "not_recovered, no_restart).",
+    labels=("alertname", "outcome"), source=BRIDGE,
+)
+NODE_INCIDENTS = _declare(
+    "robust_bridge_node_incidents", G,
+    "Suspect-node score: incidents that named the node (hang culprit, slow rank, XID, ECC, NIC "
+    "flap, ...) within the bridge's node window, across runs.",
+    labels=("node",), source=BRIDGE,
+)
+
 del C, G, S, H, SIDECAR, BRIDGE
 
 

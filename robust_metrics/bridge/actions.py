@@ -366,7 +366,8 @@ class Actions:
                            "restarted", {"scheduler": name})
         result = scheduler.restart(run, self._reason(ctx), key=ctx.key)
         return Outcome("success" if result.ok else "failed", result.detail,
-                       {"scheduler": name, **result.data})
+                       {"scheduler": name, **result.data,
+                        "highest_step": ctx.spec.get("highest_step")})
 
     def _drain_node(self, ctx: StepContext) -> Outcome:
         name, scheduler = self._scheduler(ctx)

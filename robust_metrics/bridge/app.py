@@ -3,7 +3,9 @@
 Every bad request gets a 4xx with a JSON `{"error": ...}` that says what to fix; the webhook
 answers only after the alerts are committed to the action log, so Alertmanager's retry on failure
 is the only delivery guarantee needed. Routes:
-POST /api/v1/alerts, GET /api/v1/actions, GET /metrics, GET /healthz, GET /openapi.json.
+POST /api/v1/alerts, GET /api/v1/actions, GET /api/v1/incidents (the incident ledger),
+GET /api/v1/nodes (incidents per node in the node window), GET /metrics, GET /healthz,
+GET /openapi.json.
 """
 
 from __future__ import annotations
@@ -150,6 +152,38 @@ def create_app(bridge: Bridge, *, start_engine: bool = True) -> Starlette:
         rows = await run_in_threadpool(bridge.store.list, q.get("run"), status, int(limit_text))
         return SafeJSONResponse({"actions": [i.to_dict(steps) for i, steps in rows]})
 
+    def _query(request: Request, allowed: tuple[str, ...]) -> dict[str, str]:
+        check_auth(config.auth, request.headers.get("authorization"))
+        q = request.query_params
+        unknown = sorted(set(q) - set(allowed))
+        if unknown:
+            raise HTTPProblem(400, f"unknown query parameter(s) {', '.join(unknown)} "
+                              f"(allowed: {', '.join(allowed)})")
+        limit_text = q.get("limit", "100")
+        if not limit_text.isdigit() or not 1 <= int(limit_text) <= 1000:
+            raise HTTPProblem(400, "limit must be an integer from 1 to 1000")
+        return dict(q)
+
+    async def incidents(request: Request) -> Response:
+        try:
+            q = _query(request, ("run", "alertname", "limit"))
+        except HTTPProblem as problem:
+            return _error(problem.status, problem.message, problem.headers)
+        rows = await run_in_threadpool(bridge.ledger.entries, q.get("run"), q.get("alertname"),
+                                       int(q.get("limit", "100")))
+        return SafeJSONResponse({"incidents": [e.to_dict() for e in rows]})
+
+    async def nodes(request: Request) -> Response:
+        try:
+            _query(request, ())
+        except HTTPProblem as problem:
+            return _error(problem.status, problem.message, problem.headers)
+        counts = await run_in_threadpool(bridge.ledger.node_counts)
+        return SafeJSONResponse({
+            "window_s": config.incidents.node_window_s,
+            "nodes": [{"node": n, "incidents": c} for n, c in
+                      sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))]})
+
     async def metrics(request: Request) -> Response:
         if config.auth.protect_metrics:
             try:
@@ -188,6 +222,8 @@ def create_app(bridge: Bridge, *, start_engine: bool = True) -> Starlette:
         routes=[
             Route("/api/v1/alerts", alerts, methods=["POST"]),
             Route("/api/v1/actions", actions, methods=["GET"]),
+            Route("/api/v1/incidents", incidents, methods=["GET"]),
+            Route("/api/v1/nodes", nodes, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
             Route("/healthz", healthz, methods=["GET"]),
             Route("/openapi.json", openapi_json, methods=["GET"]),

@@ -136,6 +136,28 @@ class Rule:
 
 
 @dataclass(frozen=True)
+class IncidentsConfig:
+    """The incident ledger, the crash-loop guard and the suspect-node ledger (`incidents:`).
+
+    `crash_loop_restarts`: stop restarting a run whose highest step has not advanced over this
+    many restarts (0: off); `lookback_s`: how far back Prometheus is read around an incident (its
+    last step before a hang, the highest step of a run); `recover_timeout_s`: an incident whose
+    run shows no step this long after its action is entered as not recovered; `node_window_s`:
+    the window of the per-node incident count; `node_alert`: the alert that flags a node (its own
+    incidents are not counted); `over_eviction`: a hang that names several suspect ranks drains
+    every node holding one; `poll_s`: how often the ledger looks for finished incidents.
+    """
+
+    crash_loop_restarts: int = 3
+    lookback_s: float = 3600.0
+    recover_timeout_s: float = 3600.0
+    node_window_s: float = 7 * 86400.0
+    node_alert: str = "SuspectNode"
+    over_eviction: bool = False
+    poll_s: float = 5.0
+
+
+@dataclass(frozen=True)
 class BridgeConfig:
     rules: tuple[Rule, ...]
     auth: AuthConfig
@@ -155,6 +177,7 @@ class BridgeConfig:
     restart_window_s: float = 3600.0
     hang_alert_re: re.Pattern[str] = re.compile(r"(?i).*hang.*")
     run_label: str = "run"
+    incidents: IncidentsConfig = field(default_factory=IncidentsConfig)
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -292,7 +315,7 @@ def _rule(raw: Any, where: str, schedulers: Mapping[str, SchedulerConfig],
                 _bool(data, "dry_run", where))
 
 
-_DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h)$")
+_DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h|d)$")
 
 
 def _duration(value: Any, where: str) -> float:
@@ -302,7 +325,30 @@ def _duration(value: Any, where: str) -> float:
     m = _DURATION.match(value) if isinstance(value, str) else None
     if not m:
         raise ConfigError(f"{where}: expected a duration such as 30s, 5m or 1h, got {value!r}")
-    return float(m.group(1)) * {"ms": 0.001, "s": 1, "m": 60, "h": 3600}[m.group(2)]
+    return float(m.group(1)) * {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
+
+
+def _incidents(raw: Any) -> IncidentsConfig:
+    data = _mapping(raw, "incidents")
+    _only(data, {"crash_loop_restarts", "lookback", "recover_timeout", "node_window",
+                 "node_alert", "over_eviction", "poll"}, "incidents")
+    d = IncidentsConfig()
+    out = IncidentsConfig(
+        crash_loop_restarts=int(_num(data, "crash_loop_restarts", "incidents",
+                                     d.crash_loop_restarts, integer=True)),
+        lookback_s=_duration(data.get("lookback", d.lookback_s), "incidents.lookback"),
+        recover_timeout_s=_duration(data.get("recover_timeout", d.recover_timeout_s),
+                                    "incidents.recover_timeout"),
+        node_window_s=_duration(data.get("node_window", d.node_window_s),
+                                "incidents.node_window"),
+        node_alert=_str(data, "node_alert", "incidents", d.node_alert) or d.node_alert,
+        over_eviction=_bool(data, "over_eviction", "incidents"),
+        poll_s=_duration(data.get("poll", d.poll_s), "incidents.poll"),
+    )
+    for name in ("lookback_s", "node_window_s", "poll_s"):
+        if getattr(out, name) <= 0:
+            raise ConfigError(f"incidents.{name[:-2]}: must be longer than 0")
+    return out
 
 
 def _schedulers(raw: Any, base: Path) -> dict[str, SchedulerConfig]:
@@ -370,7 +416,7 @@ def _sidecars(side: Mapping[str, Any], base: Path, prometheus_url: str | None,
 # ----------------------------------------------------------------------------- entry points
 _TOP = {"listen", "database", "max_body_bytes", "max_alerts", "workers", "dry_run", "auth",
         "prometheus", "sidecars", "schedulers", "default_scheduler", "notify", "restart_budget",
-        "hang_alert_re", "run_label", "rules"}
+        "hang_alert_re", "run_label", "rules", "incidents"}
 
 
 def parse(raw: Any, base_dir: str | Path = ".") -> BridgeConfig:
@@ -467,6 +513,7 @@ def parse(raw: Any, base_dir: str | Path = ".") -> BridgeConfig:
         restart_window_s=_duration(budget.get("window", 3600), "restart_budget.window"),
         hang_alert_re=hang_pattern,
         run_label=_str(data, "run_label", "config", "run") or "run",
+        incidents=_incidents(data.get("incidents")),
     )
 
 

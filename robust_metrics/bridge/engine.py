@@ -8,6 +8,7 @@ effect. Incidents of one run never run concurrently.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -17,6 +18,7 @@ from typing import Any
 from robust_metrics.bridge import policy
 from robust_metrics.bridge.actions import Actions, Interrupted, Outcome, StepContext
 from robust_metrics.bridge.config import ACTIONS, BridgeConfig
+from robust_metrics.bridge.ledger import highest_step
 from robust_metrics.bridge.metrics import BridgeMetrics
 from robust_metrics.bridge.store import ActionStore, Incident, Step
 
@@ -101,8 +103,21 @@ class Engine:
     # ------------------------------------------------------------------ one incident
     def _decide(self, incident: Incident, history: policy.History,
                 now: float) -> policy.Decision:
+        if any(step["type"] == "restart" for step in incident.plan):
+            history = dataclasses.replace(history, highest_step=self._highest_step(incident.run))
         return policy.decide(self.config, policy.AlertFacts(incident.labels, incident.starts_at),
                              history, now)
+
+    def _highest_step(self, run: str) -> float | None:
+        """The run's highest step now (the crash-loop guard's evidence); None when unknown."""
+        sidecars = self.actions.sidecars
+        if self.config.incidents.crash_loop_restarts <= 0 or not sidecars.prometheus_url:
+            return None
+        try:
+            return highest_step(sidecars.query, run, self.config.incidents.lookback_s)
+        except Exception as exc:  # no evidence: the guard stays open, the budget still holds
+            log.warning("highest step of run %s unknown: %s", run, exc)
+            return None
 
     def process(self, incident: Incident) -> None:
         """Run (or resume) a claimed incident's plan to its end."""

@@ -95,6 +95,22 @@ def spec(max_body_bytes: int, max_alerts: int) -> dict[str, Any]:
                 ],
                 "responses": {"200": {"description": "incidents with their steps"},
                               "400": _err("bad query parameter"), **auth_errors}}},
+            "/api/v1/incidents": {"get": {
+                "summary": "The incident ledger, newest first: per incident its run, alert, ranks "
+                           "and nodes named, fault, detected, acted and recovered times, steps "
+                           "lost and outcome",
+                "parameters": [
+                    {"name": "run", "in": "query", "schema": {"type": "string"}},
+                    {"name": "alertname", "in": "query", "schema": {"type": "string"}},
+                    {"name": "limit", "in": "query",
+                     "schema": {"type": "integer", "minimum": 1, "maximum": 1000}},
+                ],
+                "responses": {"200": {"description": "ledger entries"},
+                              "400": _err("bad query parameter"), **auth_errors}}},
+            "/api/v1/nodes": {"get": {
+                "summary": "Incidents per node within the node window, most first",
+                "responses": {"200": {"description": "node counts"},
+                              "400": _err("bad query parameter"), **auth_errors}}},
             "/metrics": {"get": {"summary": "Prometheus metrics of the bridge", "security": [],
                                  "responses": {"200": {"description": "text format"}}}},
             "/healthz": {"get": {"summary": "liveness", "security": [],

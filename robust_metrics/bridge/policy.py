@@ -14,6 +14,10 @@ what the action log says about the alert's run, with no HTTP, SQL or clock insid
 4. **cooldown**: when the same rule started acting on the same run within `cooldown_s`: `skip`.
 5. **budget**: a restart past `restart_budget` restarts of the run within the window becomes a
    `notify` escalation, and the checkpoint asked for before it is skipped.
+6. **crash loop**: when the run's highest step has not advanced over the last
+   `incidents.crash_loop_restarts` restarts (each restart step records the highest step seen
+   before it), a further restart would replay the same failure (a bug in the job, not a machine):
+   it becomes a `notify` escalation that says so, marked `guard: crash_loop` for the ledger.
 
 The bridge calls `decide` when an alert arrives (to record its rule, plan and due time) and again
 when a worker claims it, inside the store's transaction, with the run's history read in that
@@ -29,7 +33,8 @@ from typing import Any, Literal
 from robust_metrics.bridge.config import ActionSpec, BridgeConfig, Rule
 from robust_metrics.bridge.payload import parse_time
 
-__all__ = ["AlertFacts", "Decision", "History", "build_plan", "decide", "history_horizon_s",
+__all__ = ["AlertFacts", "Decision", "History", "build_plan", "crash_loop", "decide",
+           "history_horizon_s",
            "is_hang", "match_rule", "not_before", "parse_time"]
 
 Verdict = Literal["ignore", "wait", "skip", "run"]
@@ -54,6 +59,8 @@ class History:
 
     last_started: Mapping[str, tuple[int, float]] = field(default_factory=dict)
     restarts: Sequence[float] = ()
+    restart_steps: Sequence[float | None] = ()
+    highest_step: float | None = None
 
 
 @dataclass(frozen=True)
@@ -144,6 +151,42 @@ def _budget(config: BridgeConfig, plan: list[dict[str, Any]], run: str, alertnam
     return out
 
 
+def crash_loop(config: BridgeConfig, log: History) -> str | None:
+    """Why the run is in a crash loop (highest step unchanged over the last N restarts), or None."""
+    n = config.incidents.crash_loop_restarts
+    if n <= 0 or log.highest_step is None or len(log.restart_steps) < n:
+        return None
+    recent = list(log.restart_steps)[-n:]
+    if any(s is None or s != log.highest_step for s in recent):
+        return None
+    return (f"crash loop: the highest step ({log.highest_step:.0f}) has not advanced over the "
+            f"last {n} restarts")
+
+
+def _crash_loop_guard(config: BridgeConfig, plan: list[dict[str, Any]], run: str,
+                      alertname: str, log: History) -> list[dict[str, Any]]:
+    """Restarts of a run in a crash loop become notify escalations; each restart that stays
+    records the highest step it saw, the evidence the next decision reads."""
+    why = crash_loop(config, log)
+    out: list[dict[str, Any]] = []
+    for step in plan:
+        if step["type"] != "restart":
+            out.append(step)
+        elif why is None:
+            out.append(step if log.highest_step is None
+                       else {**step, "highest_step": log.highest_step})
+        else:
+            out.append({"type": "notify", "continue_on_error": False,
+                        "dry_run": step.get("dry_run"), "escalated_from": "restart",
+                        "guard": "crash_loop",
+                        "options": {"message": f"run {run}: {why}; not restarting it again "
+                                    f"({alertname}); the job itself is likely at fault"}})
+    if why is not None:  # the checkpoint before the refused restart is not needed
+        out = [({**s, "skip": why} if s["type"] == "checkpoint" and (s.get("options") or {})
+                .get("before_restart") else s) for s in out]
+    return out
+
+
 def decide(config: BridgeConfig, alert: AlertFacts, log: History, now: float) -> Decision:
     """What the bridge does for `alert` at `now`, given the policy and its run's history."""
     rule = match_rule(config, alert.labels)
@@ -158,5 +201,7 @@ def decide(config: BridgeConfig, alert: AlertFacts, log: History, now: float) ->
     cooldown = _cooldown(rule, run, log, now)
     if cooldown is not None:
         return Decision("skip", rule.name, plan, due, cooldown)
-    plan = _budget(config, plan, run, alert.labels.get("alertname", ""), log, now)
+    alertname = alert.labels.get("alertname", "")
+    plan = _crash_loop_guard(config, plan, run, alertname, log)
+    plan = _budget(config, plan, run, alertname, log, now)
     return Decision("run", rule.name, plan, due)

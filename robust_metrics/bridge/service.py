@@ -15,6 +15,7 @@ from robust_metrics.bridge import policy
 from robust_metrics.bridge.actions import Actions
 from robust_metrics.bridge.config import BridgeConfig
 from robust_metrics.bridge.engine import Engine
+from robust_metrics.bridge.ledger import Ledger
 from robust_metrics.bridge.metrics import BridgeMetrics
 from robust_metrics.bridge.payload import Notification
 from robust_metrics.bridge.schedulers import base as schedulers_base
@@ -38,13 +39,17 @@ class Bridge:
         self.sidecars = SidecarClient(config.sidecars, config.prometheus_url)
         self.actions = Actions(config, self.sidecars, self.schedulers, self.metrics)
         self.engine = Engine(config, self.store, self.actions, self.metrics)
+        self.ledger = Ledger(config, self.store, self.metrics,
+                             self.sidecars.query if config.prometheus_url else None)
         self.recovery_notes: list[str] = []
 
     def start(self) -> None:
         self.recovery_notes = self.engine.recover()
         self.engine.start()
+        self.ledger.start()
 
     def close(self) -> None:
+        self.ledger.stop()
         self.engine.stop()
         self.sidecars.close()
         if self.actions.notifier is not None:

@@ -66,12 +66,13 @@ class SidecarClient:
         self._prom.close()
 
     # ------------------------------------------------------------------ Prometheus
-    def query(self, promql: str) -> list[dict[str, Any]]:
+    def query(self, promql: str, at: float | None = None) -> list[dict[str, Any]]:
+        """An instant query, evaluated now or at unix time `at`."""
         if not self.prometheus_url:
             raise SidecarError("prometheus.url is not configured")
+        params = {"query": promql} if at is None else {"query": promql, "time": f"{at:.3f}"}
         try:
-            response = self._prom.get(f"{self.prometheus_url}/api/v1/query",
-                                      params={"query": promql})
+            response = self._prom.get(f"{self.prometheus_url}/api/v1/query", params=params)
             body = response.json()
         except (httpx.HTTPError, ValueError) as exc:
             raise SidecarError(f"Prometheus query failed: {exc!r}") from exc

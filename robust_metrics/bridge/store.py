@@ -18,6 +18,7 @@ Step statuses: running, success, failed, skipped, dry_run.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -159,6 +160,16 @@ def _open_log(path: str) -> sqlite3.Connection:
         raise ActionLogError(f"action log {path} is corrupt ({exc}); "
                              + _move_aside_hint(path)) from None
     return db
+
+def _recorded_step(data: str) -> float | None:
+    """The highest step a restart step recorded before it restarted (None: not known)."""
+    try:
+        value = json.loads(data).get("highest_step")
+    except (ValueError, AttributeError):
+        return None
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) \
+        else None
+
 
 FINAL_INCIDENT = ("done", "failed", "skipped", "cancelled", "ignored")
 
@@ -317,6 +328,11 @@ class ActionStore:
             raise write.error
         return write.result
 
+    def transaction(self) -> contextlib.AbstractContextManager[sqlite3.Connection]:
+        """One immediate transaction on the log, for modules that keep their own tables in it
+        (the incident ledger)."""
+        return self._tx()
+
     @contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:
         with self._lock:
@@ -453,11 +469,12 @@ class ActionStore:
             "SELECT rule, id, MAX(started) AS started FROM incidents WHERE run=? AND id != ? "
             "AND rule IS NOT NULL AND started >= ? GROUP BY rule",
             (incident.run, incident.id, since))}
-        restarts = tuple(float(r[0]) for r in db.execute(
-            "SELECT s.started FROM steps s JOIN incidents i ON i.id = s.incident_id "
-            "WHERE i.run=? AND s.action='restart' AND s.started >= ? AND s.status != 'skipped'",
-            (incident.run, since)))
-        return History(last, restarts)
+        rows = db.execute(
+            "SELECT s.started, s.data FROM steps s JOIN incidents i ON i.id = s.incident_id "
+            "WHERE i.run=? AND s.action='restart' AND s.started >= ? AND s.status != 'skipped' "
+            "ORDER BY s.started", (incident.run, since)).fetchall()
+        return History(last, tuple(float(r[0]) for r in rows),
+                       tuple(_recorded_step(r[1]) for r in rows))
 
     @staticmethod
     def _persist(db: sqlite3.Connection, incident: Incident, decision: Decision,

@@ -1,0 +1,422 @@
+"""The incident ledger: what every incident cost, and which nodes keep being named.
+
+For every finished incident the ledger keeps one row in the action log (table `ledger`): its run,
+alert, the ranks and nodes it named (labels and the stack analysis' suspects), and five instants:
+
+- **fault**: for a hang, the run's last step before the alert (Prometheus'
+  `robust_last_step_timestamp_seconds` when the bridge received it); otherwise the alert's
+  `startsAt`;
+- **detected**: when the bridge received the alert;
+- **acted**: when its remedial step (restart or drain_node) finished, or its last step for a
+  chain without one;
+- **recovered**: the run's first step after a restart, the smallest step timestamp newer than
+  `acted` that Prometheus scraped (exact when a scrape falls between the first and the second
+  step after the restart; otherwise late by less than one scrape interval);
+- **lost steps**: the highest step before the restart minus the step the run resumed from (the
+  lowest `robust_global_step` after the restart: the hook publishes the restored step at
+  `watch()`, before the first step).
+
+The parts that compute (`named`, `acted_at`, `outcome_of`, `progress_after`) are pure functions
+over the log and over query answers; `Ledger` reads Prometheus, writes the rows, updates the
+metrics (time to detect, act and recover and lost steps by alert; incidents per node in the node
+window) and answers the API. It runs on its own thread and never delays an action.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from prometheus_client import Counter, Gauge, Histogram
+
+from robust_metrics import schema
+from robust_metrics.bridge.config import BridgeConfig
+from robust_metrics.bridge.metrics import BridgeMetrics
+from robust_metrics.bridge.payload import parse_time
+from robust_metrics.bridge.policy import is_hang
+from robust_metrics.bridge.store import ActionStore, Incident, Step
+
+__all__ = ["Entry", "Ledger", "LedgerMetrics", "Progress", "acted_at", "highest_step", "named",
+           "outcome_of", "progress_after"]
+
+log = logging.getLogger(__name__)
+
+Query = Callable[[str, float | None], list[dict[str, Any]]]
+REMEDIAL = ("restart", "drain_node")
+LAST_STEP = schema.LAST_STEP_TIMESTAMP.name
+GLOBAL_STEP = schema.GLOBAL_STEP.name
+
+_TABLE = """
+CREATE TABLE IF NOT EXISTS ledger (
+    incident_id INTEGER PRIMARY KEY REFERENCES incidents(id),
+    run TEXT NOT NULL,
+    alertname TEXT NOT NULL,
+    ranks TEXT NOT NULL,
+    nodes TEXT NOT NULL,
+    fault REAL,
+    detected REAL NOT NULL,
+    acted REAL,
+    recovered REAL,
+    highest_step REAL,
+    resumed_step REAL,
+    lost_steps INTEGER,
+    outcome TEXT NOT NULL,
+    note TEXT NOT NULL DEFAULT '',
+    final INTEGER NOT NULL DEFAULT 0
+);
+CREATE INDEX IF NOT EXISTS ledger_detected ON ledger(detected);
+"""
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One incident in the ledger; durations are None where an instant is unknown."""
+
+    incident_id: int
+    run: str
+    alertname: str
+    ranks: list[str]
+    nodes: list[str]
+    fault: float | None
+    detected: float
+    acted: float | None
+    recovered: float | None
+    highest_step: float | None
+    resumed_step: float | None
+    lost_steps: int | None
+    outcome: str
+    note: str = ""
+    final: bool = False
+
+    @property
+    def detect_s(self) -> float | None:
+        return None if self.fault is None else max(0.0, self.detected - self.fault)
+
+    @property
+    def act_s(self) -> float | None:
+        return None if self.acted is None else max(0.0, self.acted - self.detected)
+
+    @property
+    def recover_s(self) -> float | None:
+        if self.acted is None or self.recovered is None:
+            return None
+        return max(0.0, self.recovered - self.acted)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out.update(detect_s=self.detect_s, act_s=self.act_s, recover_s=self.recover_s)
+        return out
+
+
+@dataclass(frozen=True)
+class Progress:
+    """What Prometheus showed of a run after its restart."""
+
+    recovered: float | None
+    resumed_step: float | None
+
+
+# ----------------------------------------------------------------------------- pure parts
+def _split(value: str) -> list[str]:
+    return [v.strip() for v in value.split(",") if v.strip()]
+
+
+def _rank_key(rank: str) -> tuple[int, str]:
+    return (int(rank), rank) if rank.isdigit() else (1 << 30, rank)
+
+
+def named(incident: Incident, steps: Sequence[Step]) -> tuple[list[str], list[str]]:
+    """(ranks, nodes) an incident names: its labels (`rank`/`ranks`, `node`/`nodes`), the
+    suspects of its stack analysis, and the nodes a drain step drained."""
+    labels = incident.labels
+    ranks = set(_split(labels.get("ranks", "")) + _split(labels.get("rank", "")))
+    nodes = set(_split(labels.get("nodes", "")) + _split(labels.get("node", "")))
+    for step in steps:
+        analysis = step.data.get("analysis") if step.action == "dump_stacks" else None
+        for suspect in (analysis or {}).get("suspects") or []:
+            if isinstance(suspect, Mapping) and "rank" in suspect:
+                ranks.add(str(suspect["rank"]))
+                if suspect.get("node"):
+                    nodes.add(str(suspect["node"]))
+        if step.action == "drain_node" and step.status == "success":
+            nodes.update(str(n) for n in step.data.get("nodes") or [])
+    return sorted(ranks, key=_rank_key), sorted(nodes)
+
+
+def acted_at(steps: Sequence[Step]) -> float | None:
+    """When the remedial step finished (the last successful restart or drain_node), else when
+    the chain's last step finished."""
+    remedial = [s.finished for s in steps if s.action in REMEDIAL and s.status == "success"
+                and s.finished is not None]
+    if remedial:
+        return max(remedial)
+    finished = [s.finished for s in steps if s.finished is not None]
+    return max(finished) if finished else None
+
+
+def outcome_of(incident: Incident, steps: Sequence[Step]) -> str:
+    """restart (waiting to recover), drained, crash_loop, failed, no_restart, or the incident's
+    own closing status (skipped, ignored)."""
+    if incident.status in ("skipped", "ignored"):
+        return incident.status
+    if any(step.get("guard") == "crash_loop" for step in incident.plan):
+        return "crash_loop"
+    if any(s.action == "restart" and s.status == "success" for s in steps):
+        return "restart"
+    if any(s.action == "drain_node" and s.status == "success" for s in steps):
+        return "drained"
+    return "failed" if incident.status == "failed" else "no_restart"
+
+
+def progress_after(acted: float, last_step: Iterable[tuple[float, float]],
+                   min_step: Iterable[tuple[float, float]]) -> Progress:
+    """The run's first step after `acted` and the step it resumed from.
+
+    `last_step`: (time, newest step timestamp of any rank) points; `min_step`: (time, lowest
+    global step of any rank) points, both as Prometheus evaluated them. The resumed step is the
+    lowest global step seen after the action up to the first point that shows a new step.
+    """
+    first = next(((t, v) for t, v in sorted(last_step) if t > acted and v > acted), None)
+    if first is None:
+        return Progress(None, None)
+    seen = [v for t, v in min_step if acted < t <= first[0]]
+    return Progress(first[1], min(seen) if seen else None)
+
+
+# ----------------------------------------------------------------------------- Prometheus
+def _sel(run: str) -> str:
+    return '{run="' + run.replace("\\", "\\\\").replace('"', '\\"') + '"}'
+
+
+def _scalar(result: list[dict[str, Any]]) -> float | None:
+    values = [float(r["value"][1]) for r in result if "value" in r]
+    return max(values) if values else None
+
+
+def highest_step(query: Query, run: str, lookback_s: float, at: float | None = None,
+                 ) -> float | None:
+    """The run's highest global step over the lookback (None: Prometheus has none)."""
+    return _scalar(query(f"max(max_over_time({GLOBAL_STEP}{_sel(run)}[{lookback_s:.0f}s]))",
+                         at))
+
+
+def _points(result: list[dict[str, Any]]) -> list[tuple[float, float]]:
+    return [(float(t), float(v)) for r in result for t, v in r.get("values", [])]
+
+
+class LedgerMetrics:
+    """The ledger's series on the bridge's registry."""
+
+    def __init__(self, metrics: BridgeMetrics) -> None:
+        reg = metrics.registry
+
+        def hist(spec: schema.MetricSpec) -> Histogram:
+            return Histogram(spec.base_name, spec.help, spec.labels, buckets=spec.buckets,
+                             registry=reg)
+
+        self.detect = hist(schema.INCIDENT_DETECT)
+        self.act = hist(schema.INCIDENT_ACT)
+        self.recover = hist(schema.INCIDENT_RECOVER)
+        lost, total, nodes = schema.INCIDENT_LOST_STEPS, schema.INCIDENTS, schema.NODE_INCIDENTS
+        self.lost = Counter(lost.base_name, lost.help, lost.labels, registry=reg)
+        self.incidents = Counter(total.base_name, total.help, total.labels, registry=reg)
+        self.nodes = Gauge(nodes.base_name, nodes.help, nodes.labels, registry=reg)
+        self._nodes: set[str] = set()
+
+    def entered(self, entry: Entry) -> None:
+        name = entry.alertname
+        self.incidents.labels(alertname=name, outcome=entry.outcome).inc()
+        for value, hist in ((entry.detect_s, self.detect), (entry.act_s, self.act),
+                            (entry.recover_s, self.recover)):
+            if value is not None:
+                hist.labels(alertname=name).observe(value)
+        if entry.lost_steps is not None:
+            self.lost.labels(alertname=name).inc(entry.lost_steps)
+
+    def node_counts(self, counts: Mapping[str, int]) -> None:
+        for node in self._nodes - set(counts):
+            with contextlib.suppress(KeyError):
+                self.nodes.remove(node)
+        for node, n in counts.items():
+            self.nodes.labels(node=node).set(n)
+        self._nodes = set(counts)
+
+
+class Ledger:
+    """Fills the ledger from the action log and Prometheus; `step()` does one pass."""
+
+    def __init__(self, config: BridgeConfig, store: ActionStore, metrics: BridgeMetrics,
+                 query: Query | None) -> None:
+        self.config = config
+        self.store = store
+        self.query = query
+        self.metrics = LedgerMetrics(metrics)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        with store.transaction() as db:
+            for statement in _TABLE.split(";"):
+                if statement.strip():
+                    db.execute(statement)
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="bridge-ledger", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(10)
+            self._thread = None
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.config.incidents.poll_s):
+            try:
+                self.step()
+            except Exception:
+                log.exception("incident ledger pass failed")
+
+    # ------------------------------------------------------------------ one pass
+    def step(self, now: float | None = None) -> list[Entry]:
+        """Enter finished incidents, complete the ones waiting to recover, refresh the node
+        counts; returns the entries that became final in this pass."""
+        now = time.time() if now is None else now
+        final: list[Entry] = []
+        for incident, steps in self._open_incidents():
+            entry = self._entry(incident, steps, now)
+            self._save(entry)
+            if entry.final:
+                self.metrics.entered(entry)
+                final.append(entry)
+        self.metrics.node_counts(self.node_counts(now))
+        return final
+
+    def _open_incidents(self) -> list[tuple[Incident, list[Step]]]:
+        with self.store.transaction() as db:
+            ids = [r[0] for r in db.execute(
+                "SELECT i.id FROM incidents i LEFT JOIN ledger l ON l.incident_id = i.id "
+                "WHERE i.status IN ('done', 'failed', 'skipped', 'ignored') "
+                "AND i.alertname != '' AND (l.final IS NULL OR l.final = 0) ORDER BY i.id")]
+        out = []
+        for incident_id in ids:
+            incident = self.store.get(incident_id)
+            if incident is not None:
+                out.append((incident, self.store.steps(incident_id)))
+        return out
+
+    def _entry(self, incident: Incident, steps: list[Step], now: float) -> Entry:
+        ranks, nodes = named(incident, steps)
+        outcome = outcome_of(incident, steps)
+        acted = acted_at(steps)
+        fault, note = self._fault(incident)
+        base = Entry(incident.id, incident.run, incident.alertname, ranks, nodes, fault,
+                     incident.received, acted, None, None, None, None, outcome, note)
+        if outcome != "restart" or acted is None:
+            return _replace(base, final=True)
+        if self.query is None:
+            return _replace(base, outcome="not_recovered", final=True,
+                            note="prometheus.url is not set: recovery not measured")
+        highest = self._read(lambda: highest_step(self.query_at, incident.run,
+                                                  self.config.incidents.lookback_s, acted))
+        progress = self._read(lambda: self._progress(incident.run, acted, now))
+        if progress is None or progress.recovered is None:
+            if now - acted > self.config.incidents.recover_timeout_s:
+                return _replace(base, outcome="not_recovered", highest_step=highest, final=True,
+                                note="no step within incidents.recover_timeout after the action")
+            return _replace(base, highest_step=highest)
+        lost = None
+        if highest is not None and progress.resumed_step is not None:
+            lost = int(max(0.0, highest - progress.resumed_step))
+        return _replace(base, outcome="recovered", recovered=progress.recovered,
+                        highest_step=highest, resumed_step=progress.resumed_step,
+                        lost_steps=lost, final=True)
+
+    def query_at(self, promql: str, at: float | None) -> list[dict[str, Any]]:
+        assert self.query is not None
+        return self.query(promql, at)
+
+    @staticmethod
+    def _read(fn: Callable[[], Any]) -> Any:
+        try:
+            return fn()
+        except Exception as exc:  # Prometheus away: try again at the next pass
+            log.warning("incident ledger: Prometheus read failed: %s", exc)
+            return None
+
+    def _fault(self, incident: Incident) -> tuple[float | None, str]:
+        """A hang's fault is the run's last step before the bridge heard of it."""
+        try:
+            starts = parse_time(incident.starts_at).timestamp()
+        except ValueError:
+            starts = None
+        if not is_hang(self.config, incident.labels) or self.query is None:
+            return starts, ""
+        last = self._read(lambda: _scalar(self.query_at(
+            f"max({LAST_STEP}{_sel(incident.run)})", incident.received)))
+        if last is None:
+            return starts, "no last step in Prometheus; fault time is the alert's startsAt"
+        return min(last, incident.received), ""
+
+    def _progress(self, run: str, acted: float, now: float) -> Progress:
+        span = max(1.0, now - acted)
+        sel = _sel(run)
+        last = _points(self.query_at(f"max({LAST_STEP}{sel})[{span:.0f}s:1s]", now))
+        low = _points(self.query_at(f"min({GLOBAL_STEP}{sel})[{span:.0f}s:1s]", now))
+        return progress_after(acted, last, low)
+
+    # ------------------------------------------------------------------ storage
+    def _save(self, entry: Entry) -> None:
+        row = asdict(entry)
+        row["ranks"] = json.dumps(entry.ranks)
+        row["nodes"] = json.dumps(entry.nodes)
+        row["final"] = int(entry.final)
+        cols = ", ".join(row)
+        marks = ", ".join("?" * len(row))
+        with self.store.transaction() as db:
+            db.execute(f"INSERT OR REPLACE INTO ledger ({cols}) VALUES ({marks})",
+                       tuple(row.values()))
+
+    def entries(self, run: str | None = None, alertname: str | None = None,
+                limit: int = 100) -> list[Entry]:
+        """The ledger, newest incident first."""
+        where, args = [], []
+        for column, value in (("run", run), ("alertname", alertname)):
+            if value is not None:
+                where.append(f"{column} = ?")
+                args.append(value)
+        sql = "SELECT * FROM ledger" + (" WHERE " + " AND ".join(where) if where else "")
+        with self.store.transaction() as db:
+            rows = db.execute(sql + " ORDER BY incident_id DESC LIMIT ?",
+                              (*args, limit)).fetchall()
+        return [_row_entry(r) for r in rows]
+
+    def node_counts(self, now: float | None = None) -> dict[str, int]:
+        """Incidents per node within the node window (the node alert's own not counted)."""
+        now = time.time() if now is None else now
+        since = now - self.config.incidents.node_window_s
+        counts: dict[str, int] = {}
+        with self.store.transaction() as db:
+            rows = db.execute("SELECT nodes FROM ledger WHERE detected >= ? AND alertname != ?",
+                              (since, self.config.incidents.node_alert)).fetchall()
+        for (nodes,) in rows:
+            for node in json.loads(nodes):
+                counts[node] = counts.get(node, 0) + 1
+        return counts
+
+
+def _replace(entry: Entry, **changes: Any) -> Entry:
+    return Entry(**{**asdict(entry), **changes})
+
+
+def _row_entry(row: Any) -> Entry:
+    data = dict(row)
+    data["ranks"] = json.loads(data["ranks"])
+    data["nodes"] = json.loads(data["nodes"])
+    data["final"] = bool(data["final"])
+    return Entry(**data)
