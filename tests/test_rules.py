@@ -295,7 +295,8 @@ def test_cli_names_a_broken_rule_file(tmp_path: Path) -> None:
 def test_the_package_finds_its_rules() -> None:
     assert rules.RULES_DIR.is_dir()
     assert {p.name for p in rules.rule_files()} == {
-        "training.yml", "stragglers.yml", "numerics.yml", "gpu.yml", "nic.yml", "exporter.yml"}
+        "training.yml", "stragglers.yml", "attribution.yml", "numerics.yml", "gpu.yml", "nic.yml",
+        "exporter.yml"}
 
 
 # -- Alertmanager routing example -------------------------------------------------------------

@@ -10,23 +10,40 @@ from __future__ import annotations
 
 from robust_metrics.analysis.whatif.analysis import WhatIfResult
 
-__all__ = ["EXPLAINS", "diagnosis", "summary"]
+__all__ = ["EXPLAINS", "VERDICTS", "diagnosis", "summary", "verdict"]
 
 EXPLAINS = 0.5
 """M_W or M_S at or above this means that group explains most of the slowdown."""
 
 
+VERDICTS = ("none", "worker", "stage", "spread")
+"""The study's kinds of cause; the online rules record the same words
+(`run:robust_straggler_verdict:class5m{verdict=...}` in alert_rules/attribution.yml)."""
+
+
+def verdict(result: WhatIfResult) -> str:
+    """none (not attributed), worker (M_W explains most, at least as much as M_S), stage (M_S
+    explains most), else spread."""
+    if not result.attributed:
+        return "none"
+    mw, ms = result.mw or 0.0, result.ms or 0.0
+    if mw >= EXPLAINS and mw >= ms:
+        return "worker"
+    return "stage" if ms >= EXPLAINS else "spread"
+
+
 def diagnosis(result: WhatIfResult) -> str:
     """One sentence on the likely kind of cause."""
-    if not result.attributed:
+    kind = verdict(result)
+    if kind == "none":
         return (f"no straggling worth attributing (S below {result.to_json()['attribution_threshold']}"
                 "): the job runs close to its ideal")
     mw, ms = result.mw or 0.0, result.ms or 0.0
     ranks = ", ".join(str(r) for r in (result.mw_detail or {}).get("ranks", []))
-    if mw >= EXPLAINS and mw >= ms:
+    if kind == "worker":
         return (f"one bad worker (or a few): fixing rank(s) {ranks} removes {mw:.0%} of the "
                 "slowdown; check their GPU, NIC and host (the sidecar's metrics), or cordon them")
-    if ms >= EXPLAINS:
+    if kind == "stage":
         return (f"a heavy last pipeline stage: making stage {result.meta['pp_size'] - 1} ideal "
                 f"removes {ms:.0%} of the slowdown; move layers off the last stage (loss and "
                 "output layers make it heavier)")
