@@ -402,13 +402,11 @@ class Watch:
     def _enter_phase(self, name: str) -> None:
         if name == "train" and self._phase != "train":
             self._last_step_end = None  # time spent outside training is not part of a step
+            # nor is time blocked in its collectives (a barrier while rank 0 writes the
+            # checkpoint): counted in the next step, it would zero the waiting ranks' compute
+            # time and make the writer look slow. The timer's restart forgets both.
             self.tracker.timer.restart()
             self._awaiting_forward = True
-            if self.options.collectives:
-                # nor is time blocked in its collectives (a barrier while rank 0 writes the
-                # checkpoint): counted in the next step, it would zero the waiting ranks'
-                # compute time and make the writer look slow
-                self.tracker.take_blocked()
         self._set_phase(name)
         self._flush(force=True)
 
