@@ -21,7 +21,6 @@ from contextlib import redirect_stdout
 from pathlib import Path
 
 import pytest
-from robust_metrics.sidecar.main import build
 from starlette.testclient import TestClient
 
 from robust_metrics import cli, schema
@@ -29,6 +28,7 @@ from robust_metrics.hooks.sinks import MultiprocessSink
 from robust_metrics.hooks.store import MetricStore
 from robust_metrics.rankfolder import control, metricfile, write_identity
 from robust_metrics.rankfolder.control import read_checkpoint_request_safely
+from robust_metrics.sidecar.cli import build
 from robust_metrics.sidecar.config import SidecarConfig
 from robust_metrics.sidecar.rankdir import RankFolder
 from robust_metrics.sidecar.stacks import find_py_spy

@@ -20,9 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from robust_metrics.demo.services import Service
 
-from tests.prometheus_fixture import QueryAPI
+from robust_metrics.processes import QueryAPI, Service, alertmanager
 from tests.support import free_port, require_binary
 
 __all__ = ["VMAgent", "VMAlert", "VictoriaMetricsServer", "alertmanager_service",
@@ -88,8 +87,9 @@ class VictoriaMetricsServer(_Process, QueryAPI):
                 targets, interval=scrape_interval, job=job,
                 extra_scrape_configs=extra_scrape_configs), sort_keys=False))
             argv.append(f"-promscrape.config={config}")
-        self.service = Service("victoria-metrics", argv, self.workdir / "victoria-metrics.log",
-                               f"{self.url}/health")
+        self.service = Service("victoria-metrics", argv, port=self.port,
+                               log_path=self.workdir / "victoria-metrics.log",
+                               ready_url=f"{self.url}/health")
 
     def force_flush(self) -> None:
         """Make every sample received so far searchable now (it is within a second anyway)."""
@@ -125,7 +125,8 @@ class VMAlert(_Process, QueryAPI):
                 f"-remoteRead.url={datasource.url}", f"-notifier.url={notifier_url}",
                 f"-evaluationInterval={evaluation_interval}",
                 f"-httpListenAddr=127.0.0.1:{self.port}", "-loggerLevel=WARN", *extra_args]
-        self.service = Service("vmalert", argv, self.workdir / "vmalert.log", f"{self.url}/health")
+        self.service = Service("vmalert", argv, log_path=self.workdir / "vmalert.log",
+                               port=self.port, ready_url=f"{self.url}/health")
 
 
 class VMAgent(_Process):
@@ -152,31 +153,22 @@ class VMAgent(_Process):
         if members > 1:
             argv += [f"-promscrape.cluster.membersCount={members}",
                      f"-promscrape.cluster.memberNum={member}"]
-        self.service = Service(f"vmagent{member}", argv, self.workdir / "vmagent.log",
-                               f"{self.url}/health")
+        self.service = Service(f"vmagent{member}", argv, log_path=self.workdir / "vmagent.log",
+                               port=self.port, ready_url=f"{self.url}/health")
 
 
 @contextlib.contextmanager
 def alertmanager_service(workdir: Path, config: dict[str, Any] | None = None
                          ) -> Iterator[str]:
     """A real Alertmanager on a free loopback port (no receiver by default); yields its URL."""
-    binary = require_binary("prometheus-alertmanager", "alertmanager")
-    workdir = Path(workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
+    require_binary("prometheus-alertmanager", "alertmanager")
     config = config or {"route": {"receiver": "null"}, "receivers": [{"name": "null"}]}
-    (workdir / "alertmanager.yml").write_text(yaml.safe_dump(config))
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    service = Service("alertmanager", [
-        binary, f"--config.file={workdir / 'alertmanager.yml'}",
-        f"--storage.path={workdir / 'data'}", f"--web.listen-address=127.0.0.1:{port}",
-        "--cluster.listen-address=", "--log.level=warn"],
-        workdir / "alertmanager.log", f"{url}/-/ready")
+    service = alertmanager(Path(workdir), config)
     try:
         service.start(timeout=30)
     except RuntimeError as exc:
         raise AssertionError(str(exc)) from None
     try:
-        yield url
+        yield service.url
     finally:
         service.stop(timeout=15)
