@@ -12,9 +12,9 @@ alert, the ranks and nodes it named (labels and the stack analysis' suspects), a
 - **recovered**: the run's first step after a restart, the smallest step timestamp newer than
   `acted` that Prometheus scraped (exact when a scrape falls between the first and the second
   step after the restart; otherwise late by less than one scrape interval);
-- **lost steps**: the highest step before the restart minus the step the run resumed from (the
-  lowest `robust_global_step` after the restart: the hook publishes the restored step at
-  `watch()`, before the first step).
+- **lost steps**: the highest step before the restart minus the step the run resumed from
+  (`robust_start_step` of the ranks that stepped after the restart: the hook publishes the
+  restored step at `watch()` or `set_step()`, so it does not matter which step a scrape catches).
 
 The parts that compute (`named`, `acted_at`, `outcome_of`, `progress_after`) are pure functions
 over the log and over query answers; `Ledger` reads Prometheus, writes the rows, updates the
