@@ -12,7 +12,9 @@ reject is answered 400 and recorded in `violations`.
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
 import ssl
 import threading
 import uuid
@@ -26,7 +28,7 @@ from kubernetes import client as k8s
 from robust_metrics.bridge.schedulers.kubernetes import KINDS
 from tests.support import free_port
 
-__all__ = ["MERGE", "NS", "STRATEGIC", "TOKEN", "FakeKubeAPI", "go_quote"]
+__all__ = ["MERGE", "NS", "STRATEGIC", "TOKEN", "FakeKubeAPI", "go_quote", "kubelet_write"]
 
 TOKEN = "test-token-" + uuid.uuid4().hex[:8]
 NS = "training"
@@ -231,6 +233,26 @@ class FakeKubeAPI:
             self.events.append(obj)
             return 201, obj
         raise AssertionError("not a path the adapter should use")
+
+
+def kubelet_write(folder: Path, name: str, data: bytes) -> None:
+    """Update a downward API volume as the kubelet's atomic writer does: the files go into a new
+    timestamped folder, `..data` is switched to it by renaming a link, the old folder goes, and
+    `name` is a link through `..data`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    version = folder / f"..{uuid.uuid4().hex}"
+    version.mkdir()
+    (version / name).write_bytes(data)
+    data_link, old = folder / "..data", None
+    if data_link.is_symlink():
+        old = folder / os.readlink(data_link)
+    tmp = folder / "..data_tmp"
+    os.symlink(version.name, tmp)
+    os.replace(tmp, data_link)
+    if not (folder / name).is_symlink():
+        os.symlink(f"..data/{name}", folder / name)
+    if old is not None:
+        shutil.rmtree(old)
 
 
 def go_quote(value: str) -> str:

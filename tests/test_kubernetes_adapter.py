@@ -212,7 +212,7 @@ def test_signal_skips_a_pod_that_is_gone_and_fails_when_all_are(tmp_path: Path,
         return real_patch(name, *args, **kwargs)
 
     k.core.patch_namespaced_pod = patch_after_delete  # type: ignore[method-assign]
-    with pytest.raises(base.SchedulerError, match="every pod .* was gone"):
+    with pytest.raises(base.SchedulerError, match=r"every pod .* was gone"):
         k.signal("gpt", signal.SIGUSR1, key="a#0")
     api.add_job("JobSet", "gpt", pods=2)
     k.core.patch_namespaced_pod = real_patch  # type: ignore[method-assign]

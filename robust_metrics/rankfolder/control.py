@@ -299,9 +299,10 @@ class ControlChannel:
             self._annotation_request = request
 
     def _report(self, exc: BaseException) -> None:
-        log.warning("ignoring unusable pod annotations %s: %s", self.annotations_path, exc)
-        if self._on_error is not None:
+        if self._on_error is not None:  # the hook counts it and logs it once
             self._on_error("control", exc)
+        else:
+            log.warning("ignoring unusable pod annotations %s: %s", self.annotations_path, exc)
 
 
 def read_checkpoint_request_safely(metrics_dir: str) -> CheckpointRequest | None:
