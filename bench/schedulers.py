@@ -1,7 +1,10 @@
 """Slurm adapter benchmark: how long each operation takes, slurmrestd against the CLI fallback.
 
 Starts the tests' single-node Slurm (tests/slurm/cluster.py: munged, slurmctld, slurmd,
-slurmrestd), runs one job that traps SIGUSR1, and times the adapter's operations. Baseline: a
+slurmrestd), runs one job that traps SIGUSR1, and times the adapter's operations. That rig stays
+in tests/ rather than the harness (robust_metrics/processes.py) because it runs the daemons as
+root with their security off, which the product package must not ship; it is built on the
+harness, so the bench and the tests start and stop the same daemons the same way. Baseline: a
 slurmrestd GET /ping on the same server, so the figures are ratios that survive a busy machine.
 The figures are per call of the adapter, as the bridge makes them (a fresh HTTP connection or
 a fresh `scancel` process each time).

@@ -12,7 +12,9 @@ reject is answered 400 and recorded in `violations`.
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
 import ssl
 import threading
 import uuid
@@ -26,7 +28,7 @@ from kubernetes import client as k8s
 from robust_metrics.bridge.schedulers.kubernetes import KINDS
 from tests.support import free_port
 
-__all__ = ["MERGE", "NS", "STRATEGIC", "TOKEN", "FakeKubeAPI"]
+__all__ = ["MERGE", "NS", "STRATEGIC", "TOKEN", "FakeKubeAPI", "go_quote", "kubelet_write"]
 
 TOKEN = "test-token-" + uuid.uuid4().hex[:8]
 NS = "training"
@@ -47,7 +49,8 @@ class FakeKubeAPI:
         self.requests: list[dict[str, Any]] = []
         self.violations: list[str] = []
         self.jobs: dict[tuple[str, str, str], dict[str, Any]] = {}
-        self.pods: dict[tuple[str, str], dict[str, str]] = {}
+        self.pods: dict[tuple[str, str], dict[str, str]] = {}  # (ns, name) -> labels
+        self.pod_annotations: dict[tuple[str, str], dict[str, str]] = {}
         self.nodes: dict[str, dict[str, Any]] = {}
         self.events: list[dict[str, Any]] = []
         self.forbid: set[str] = set()  # "create events" etc.: answered 403 as RBAC would
@@ -99,6 +102,12 @@ class FakeKubeAPI:
         for i in range(pods):
             self.pods[(ns, f"{name}-worker-{i}")] = {k.pod_label: name}
         return uid
+
+    def annotations_file(self, pod: str, ns: str = NS) -> bytes:
+        """The pod's downward API `metadata.annotations` file as the kubelet writes it: sorted
+        `key="value"` lines, values quoted as Go's %q does."""
+        return "".join(f"{k}={go_quote(v)}\n" for k, v in sorted(
+            self.pod_annotations.get((ns, pod), {}).items())).encode()
 
     def add_node(self, name: str) -> str:
         uid = str(uuid.uuid4())
@@ -171,10 +180,24 @@ class FakeKubeAPI:
             selector = r["query"].get("labelSelector", [""])[0]
             assert re.fullmatch(r"[\w./-]+=[\w.-]+", selector), f"bad selector {selector!r}"
             key, value = selector.split("=")
-            items = [{"metadata": {"name": name, "namespace": ns, "labels": labels}}
+            items = [{"metadata": {"name": name, "namespace": ns, "labels": labels,
+                                   "annotations": self.pod_annotations.get((ns, name), {})}}
                      for (ns, name), labels in sorted(self.pods.items())
                      if ns == m["ns"] and labels.get(key) == value]
             return 200, {"apiVersion": "v1", "kind": "PodList", "metadata": {}, "items": items}
+        if (m := POD.match(path)) and method == "PATCH":
+            assert r["content_type"] in (STRATEGIC, MERGE), f"patch type {r['content_type']}"
+            assert isinstance(body, dict) and set(body) == {"metadata"}, (
+                "the adapter patches nothing of a pod but its metadata")
+            values = body["metadata"].get("annotations")
+            assert isinstance(values, dict) and all(
+                isinstance(v, str) for v in values.values()), "annotation values are strings"
+            if (m["ns"], m["name"]) not in self.pods:
+                return 404, _status(404, "NotFound", f'pods "{m["name"]}" not found')
+            self.pod_annotations.setdefault((m["ns"], m["name"]), {}).update(values)
+            return 200, {"apiVersion": "v1", "kind": "Pod",
+                         "metadata": {"name": m["name"], "namespace": m["ns"],
+                                      "annotations": self.pod_annotations[(m["ns"], m["name"])]}}
         if m := POD.match(path):
             assert method == "DELETE", f"{method} on a pod"
             options = k8s.V1DeleteOptions.from_dict(body or {})
@@ -183,6 +206,7 @@ class FakeKubeAPI:
             if (m["ns"], m["name"]) not in self.pods:
                 return 404, _status(404, "NotFound", f'pods "{m["name"]}" not found')
             del self.pods[(m["ns"], m["name"])]
+            self.pod_annotations.pop((m["ns"], m["name"]), None)
             return 200, {"apiVersion": "v1", "kind": "Pod",
                          "metadata": {"name": m["name"], "namespace": m["ns"]}}
         if m := NODE.match(path):
@@ -209,6 +233,45 @@ class FakeKubeAPI:
             self.events.append(obj)
             return 201, obj
         raise AssertionError("not a path the adapter should use")
+
+
+def kubelet_write(folder: Path, name: str, data: bytes) -> None:
+    """Update a downward API volume as the kubelet's atomic writer does: the files go into a new
+    timestamped folder, `..data` is switched to it by renaming a link, the old folder goes, and
+    `name` is a link through `..data`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    version = folder / f"..{uuid.uuid4().hex}"
+    version.mkdir()
+    (version / name).write_bytes(data)
+    data_link, old = folder / "..data", None
+    if data_link.is_symlink():
+        old = folder / os.readlink(data_link)
+    tmp = folder / "..data_tmp"
+    os.symlink(version.name, tmp)
+    os.replace(tmp, data_link)
+    if not (folder / name).is_symlink():
+        os.symlink(f"..data/{name}", folder / name)
+    if old is not None:
+        shutil.rmtree(old)
+
+
+def go_quote(value: str) -> str:
+    """Go's strconv.Quote: printable characters as they are, the rest escaped."""
+    simple = {"\a": "\\a", "\b": "\\b", "\f": "\\f", "\n": "\\n", "\r": "\\r",
+              "\t": "\\t", "\v": "\\v", "\\": "\\\\", '"': '\\"'}
+    out = []
+    for ch in value:
+        if ch in simple:
+            out.append(simple[ch])
+        elif ch.isprintable():
+            out.append(ch)
+        elif ord(ch) < 0x80:
+            out.append(f"\\x{ord(ch):02x}")
+        elif ord(ch) <= 0xFFFF:
+            out.append(f"\\u{ord(ch):04x}")
+        else:
+            out.append(f"\\U{ord(ch):08x}")
+    return '"' + "".join(out) + '"'
 
 
 def _status(code: int, reason: str, message: str, status: str = "Failure") -> dict[str, Any]:

@@ -11,6 +11,7 @@ rank's `robust_checkpoint_request_id` at or above the request id (`ack_source: p
 from __future__ import annotations
 
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ from robust_metrics.bridge.config import parse
 from robust_metrics.bridge.service import Bridge
 from tests.bridge_fakes import FakeSidecar, alert, serve_app, webhook
 from tests.prometheus_fixture import PrometheusServer, wait_for_series
-from tests.support import EXAMPLE, free_port, wait_until
+from tests.support import EXAMPLE, free_port, rank_job, wait_until
 
 pytestmark = pytest.mark.integration
 TOKEN = "prom-token"
@@ -97,3 +98,63 @@ def test_checkpoint_by_signal_waits_for_every_rank_to_acknowledge_in_prometheus(
             assert log.read_text().count("checkpoint at step") == 1, log.read_text()
         finally:
             local.cancel("r1", "test over")
+
+
+def test_checkpoint_through_kubernetes_is_a_pod_annotation_acknowledged_in_prometheus(
+        tmp_path: Path) -> None:
+    """No sidecar, a `kubernetes` scheduler: the bridge's checkpoint annotates the run's pods in
+    the fake API server, a kubelet stand-in projects each pod's annotations into its file, the
+    real rank checkpoints once and Prometheus shows its acknowledgement."""
+    pytest.importorskip("kubernetes", reason="the kubernetes extra is not installed")
+    from tests.kube_fakes import FakeKubeAPI, kubelet_write
+    from tests.test_kubernetes_adapter import kubeconfig
+
+    api = FakeKubeAPI()
+    stop = threading.Event()
+    podinfo = tmp_path / "podinfo"
+
+    def kubelet() -> None:  # the kubelet's sync loop, for the one pod of this test
+        last = None
+        while not stop.wait(0.2):
+            data = api.annotations_file("llama-worker-0")
+            if data != last:
+                kubelet_write(podinfo, "annotations", data)
+                last = data
+
+    kubelet_write(podinfo, "annotations", b"")
+    sync = threading.Thread(target=kubelet, daemon=True)
+    sync.start()
+    metrics_port = free_port()
+    try:
+        api.add_job("PyTorchJob", "llama", pods=1)
+        raw = {"database": str(tmp_path / "b.db"), "auth": {"bearer_token": TOKEN},
+               "schedulers": {"k8s": {"type": "kubernetes", "auth": "kubeconfig", "timeout_s": 5,
+                                      "kubeconfig": str(kubeconfig(tmp_path, api.url))}},
+               "rules": [{"match": {"alertname": "Ckpt"},
+                          "actions": [{"type": "checkpoint", "timeout_s": 30}]}]}
+        env = {"ROBUST_METRICS_PORT": str(metrics_port),
+               "ROBUST_METRICS_POD_ANNOTATIONS": str(podinfo / "annotations")}
+        with PrometheusServer(tmp_path / "prom", [f"127.0.0.1:{metrics_port}"]) as prom, \
+                rank_job(1, ["--steps", "100000", "--step-sleep", "0.05"], env=env,
+                         log_dir=tmp_path, run="llama") as job:
+            raw["prometheus"] = {"url": prom.url}
+            wait_for_series(prom, 'robust_rank_info{run="llama"}', timeout=90)
+            with serve_app(create_app(Bridge(parse(raw, tmp_path)))) as client:
+                r = client.post("/api/v1/alerts", json=webhook(alert("Ckpt", run="llama")),
+                                headers={"Authorization": f"Bearer {TOKEN}"})
+                assert r.status_code == 200
+                row = wait_until(lambda: (a := client.get(
+                    "/api/v1/actions", headers={"Authorization": f"Bearer {TOKEN}"}).json()[
+                    "actions"]) and a[0]["status"] in ("done", "failed") and a[0], 45,
+                    message="the checkpoint to be acknowledged")
+            step = row["steps"][0]
+            assert row["status"] == "done", step
+            assert step["data"]["scheduler"] == "k8s" and step["data"]["pods"] == [
+                "llama-worker-0"]
+            assert step["data"]["acknowledged"] == ["0"]
+            assert job.logs().count("checkpoint at step") == 1, job.logs()
+        assert not api.violations
+    finally:
+        stop.set()
+        sync.join(timeout=5)
+        api.close()

@@ -150,3 +150,26 @@ def test_vmalert_accepts_the_shipped_rules(tmp_path: Path) -> None:
     flags = _unit_flags("vmalert.service", "vmalert")
     for needed in ("-remoteWrite.url=", "-remoteRead.url=", "-notifier.url=", "-rule="):
         assert any(f.startswith(needed) for f in flags), needed
+
+
+def test_pytorchjob_example_projects_the_annotations_where_the_hook_reads_them() -> None:
+    from robust_metrics.hooks.config import WatchOptions
+
+    k8s = pytest.importorskip("kubernetes.client", reason="the kubernetes extra is not installed")
+    job = yaml.safe_load((DEPLOY / "kubernetes" / "pytorchjob.yaml").read_text())
+    assert (job["apiVersion"], job["kind"]) == ("kubeflow.org/v1", "PyTorchJob")
+    for role in ("Master", "Worker"):
+        template = job["spec"]["pytorchReplicaSpecs"][role]["template"]
+        model = k8s.V1PodTemplateSpec.from_dict(template)  # fields and types as the API has them
+        assert k8s.ApiClient().sanitize_for_serialization(model) == template
+        pod = template["spec"]
+        container = pod["containers"][0]
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        [volume] = [v for v in pod["volumes"] if "downwardAPI" in v]
+        [item] = volume["downwardAPI"]["items"]
+        assert item["fieldRef"]["fieldPath"] == "metadata.annotations"
+        [mount] = [m for m in container["volumeMounts"] if m["name"] == volume["name"]]
+        projected = f"{mount['mountPath']}/{item['path']}"
+        options = WatchOptions.resolve(env={k: v for k, v in env.items() if v})
+        assert options.pod_annotations == projected
+        assert options.metrics_dir == "/run/robust-metrics"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 import signal
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from robust_metrics.bridge.schedulers.kubernetes import (
     REASON_ANNOTATION,
     KubernetesScheduler,
 )
+from robust_metrics.rankfolder.control import CHECKPOINT_ANNOTATION, CHECKPOINT_KEY_ANNOTATION
 from tests.kube_fakes import MERGE, NS, STRATEGIC, TOKEN, FakeKubeAPI
 from tests.support import ROOT, free_port, require_binary
 
@@ -166,6 +168,58 @@ def test_an_event_that_cannot_be_written_does_not_fail_the_action(tmp_path: Path
     assert "403" in result.data["event_error"] and "rbac.yaml" in result.data["event_error"]
 
 
+def test_signal_sets_the_checkpoint_annotation_on_every_pod_once_per_key(
+        tmp_path: Path, api: FakeKubeAPI) -> None:
+    api.add_job("PyTorchJob", "llama-7b", pods=3)
+    api.add_job("PyTorchJob", "other", pods=1)
+    k = adapter(tmp_path, api)
+    before = time.time_ns() // 1_000_000
+    first = k.signal("llama-7b", signal.SIGUSR1, key="inc-1#0")
+    pods = [f"llama-7b-worker-{i}" for i in range(3)]
+    assert first.ok and first.data["pods"] == pods
+    request_id = first.data["request_id"]
+    assert request_id >= before
+    for pod in pods:
+        assert api.pod_annotations[(NS, pod)] == {CHECKPOINT_ANNOTATION: str(request_id),
+                                                  CHECKPOINT_KEY_ANNOTATION: "inc-1#0"}
+    assert (NS, "other-worker-0") not in api.pod_annotations
+    patches = [r for r in api.requests if r["method"] == "PATCH"]
+    assert [r["path"] for r in patches] == [f"/api/v1/namespaces/{NS}/pods/{p}" for p in pods]
+    assert {r["content_type"] for r in patches} == {MERGE}
+
+    # the same key (a retried step, a bridge restarted mid-action) sets the same id again
+    again = k.signal("llama-7b", signal.SIGUSR1, key="inc-1#0")
+    assert again.data["request_id"] == request_id
+    assert {a[CHECKPOINT_ANNOTATION] for a in api.pod_annotations.values()} == {str(request_id)}
+    # a new key is a new request, newer than the one the pods hold even if the clock is behind
+    api.pod_annotations[(NS, pods[1])][CHECKPOINT_ANNOTATION] = str(request_id + 10**9)
+    newer = k.signal("llama-7b", signal.SIGUSR1, key="inc-2#0")
+    assert newer.data["request_id"] == request_id + 10**9 + 1
+    assert {a[CHECKPOINT_ANNOTATION] for a in api.pod_annotations.values()} == {
+        str(request_id + 10**9 + 1)}
+    # without a key every call is a new request
+    assert k.signal("llama-7b", signal.SIGUSR1).data["request_id"] > newer.data["request_id"]
+
+
+def test_signal_skips_a_pod_that_is_gone_and_fails_when_all_are(tmp_path: Path,
+                                                                api: FakeKubeAPI) -> None:
+    api.add_job("JobSet", "gpt", pods=2)
+    k = adapter(tmp_path, api, kind="JobSet")
+    real_patch = k.core.patch_namespaced_pod
+
+    def patch_after_delete(name: str, *args: Any, **kwargs: Any) -> Any:
+        api.pods.pop((NS, name), None)  # deleted between the LIST and the PATCH
+        return real_patch(name, *args, **kwargs)
+
+    k.core.patch_namespaced_pod = patch_after_delete  # type: ignore[method-assign]
+    with pytest.raises(base.SchedulerError, match=r"every pod .* was gone"):
+        k.signal("gpt", signal.SIGUSR1, key="a#0")
+    api.add_job("JobSet", "gpt", pods=2)
+    k.core.patch_namespaced_pod = real_patch  # type: ignore[method-assign]
+    api.pods.pop((NS, "gpt-worker-0"))
+    assert k.signal("gpt", signal.SIGUSR1, key="a#0").data["pods"] == ["gpt-worker-1"]
+
+
 # ---------------------------------------------------------------------- errors
 def test_errors_name_the_object_and_the_cause(tmp_path: Path, api: FakeKubeAPI) -> None:
     k = adapter(tmp_path, api)
@@ -179,14 +233,18 @@ def test_errors_name_the_object_and_the_cause(tmp_path: Path, api: FakeKubeAPI) 
         k.cancel("nopods", "x")
     with pytest.raises(base.SchedulerError, match="404"):
         k.drain_node("no-such-node", "x")
-    with pytest.raises(base.SchedulerError, match="no API to signal"):
+    with pytest.raises(base.SchedulerError, match="has no pods labelled"):
         k.signal("nopods", signal.SIGUSR1)
+    with pytest.raises(base.SchedulerError, match="there is no API to send signal"):
+        k.signal("nopods", signal.SIGTERM)
     sent = len(api.requests)
     for bad in ("Upper", "a b", "../x", "", "x" * 300):
         with pytest.raises(base.SchedulerError, match="not a valid object name"):
             k.restart(bad, "x")
         with pytest.raises(base.SchedulerError, match="not a valid object name"):
             k.drain_node(bad, "x")
+        with pytest.raises(base.SchedulerError, match="not a valid object name"):
+            k.signal(bad, signal.SIGUSR1)
     assert len(api.requests) == sent  # refused before any request
 
 
@@ -317,6 +375,7 @@ def test_rbac_allows_every_request_and_grants_nothing_unused(tmp_path: Path,
         for strategy, name in (("delete_pods", "a"), ("suspend", "b")):
             k = adapter(tmp_path, api, kind=kind, restart_strategy=strategy)
             assert k.restart(f"{kind.lower()}-{name}", "x").ok
+        assert k.signal(f"{kind.lower()}-c", signal.SIGUSR1, key="k#0").ok
         assert k.cancel(f"{kind.lower()}-c", "x").ok
     api.add_node("n1")
     assert adapter(tmp_path, api).drain_node("n1", "x").ok

@@ -18,7 +18,8 @@ import pytest
 
 from robust_metrics.bridge.schedulers import base
 from robust_metrics.bridge.schedulers.slurm import SlurmScheduler
-from tests.slurm.cluster import SlurmCluster, slurm_cluster
+from tests.slurm.cluster import SlurmCluster
+from tests.slurm.fixture import slurm_cluster
 from tests.support import EXAMPLE, ROOT, wait_until
 
 __all__ = ["slurm_cluster"]  # the module fixture, imported for pytest

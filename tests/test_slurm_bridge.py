@@ -23,7 +23,8 @@ from robust_metrics.bridge.app import create_app
 from robust_metrics.bridge.config import parse
 from robust_metrics.bridge.service import Bridge
 from tests.bridge_fakes import alert, serve_app, webhook
-from tests.slurm.cluster import SlurmCluster, slurm_cluster
+from tests.slurm.cluster import SlurmCluster
+from tests.slurm.fixture import slurm_cluster
 from tests.support import EXAMPLE, ROOT, wait_until
 
 __all__ = ["slurm_cluster"]  # the module fixture, imported for pytest

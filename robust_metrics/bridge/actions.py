@@ -6,7 +6,9 @@ the step as running before calling in and the outcome after, and asks `resumable
 
 The `checkpoint` action asks the node sidecars (which write each rank's control file); when the
 policy configures no `sidecars`, or the step names a `scheduler`, it sends SIGUSR1 to the run
-through the scheduler instead (Slurm: `scancel --signal=USR1`), the hook's other way in.
+through the scheduler instead, the hook's other way in (Slurm: `scancel --signal=USR1`;
+Kubernetes: a pod annotation the hook reads from a downward API file; webhook: the receiver's).
+Either way the acknowledgement is read through Prometheus (`robust_checkpoint_request_id`).
 
 Crash behaviour per action (a step found `running` at start):
 - checkpoint: once the request ids (or the time of the signal) are saved, waiting for the

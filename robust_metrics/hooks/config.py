@@ -63,6 +63,7 @@ class WatchOptions:
     gc_pauses: bool = True
     flush_interval: float = 0.25
     control_poll_interval: float = 0.5
+    pod_annotations: str | None = None
     trace_dir: str | None = None
     trace_every: int = 0
     trace_steps: int = 1
@@ -77,6 +78,8 @@ class WatchOptions:
             raise TypeError(f"watch() got unknown option(s) {', '.join(sorted(unknown))}; "
                             f"valid options: {valid}")
         metrics_dir = kwargs.pop("metrics_dir", None) or env.get("ROBUST_METRICS_DIR") or None
+        pod_annotations = (kwargs.pop("pod_annotations", None)
+                           or env.get("ROBUST_METRICS_POD_ANNOTATIONS") or None)
         backend = kwargs.pop("backend", None) or env.get("ROBUST_METRICS_BACKEND") or "auto"
         if backend == "auto":
             backend = "multiprocess" if metrics_dir else "http"
@@ -98,6 +101,7 @@ class WatchOptions:
             backend=backend,
             metrics_dir=metrics_dir,
             port=port,
+            pod_annotations=pod_annotations,
             **kwargs,
         )
         options.validate()
@@ -123,6 +127,9 @@ class WatchOptions:
         for name in ("flush_interval", "control_poll_interval"):
             if not isinstance(getattr(self, name), int | float) or getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)!r}: must be a number of seconds >= 0")
+        if self.pod_annotations is not None and not isinstance(self.pod_annotations, str):
+            raise ValueError(f"pod_annotations={self.pod_annotations!r}: must be the path of the "
+                             "downward API annotations file")
         if self.checkpoint is not None and not callable(self.checkpoint):
             raise ValueError("checkpoint= must be a callable taking the step number")
         allowed = {"dp_rank", "pp_rank", "tp_rank"}

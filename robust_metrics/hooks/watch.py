@@ -92,7 +92,9 @@ class Watch:
         self._ddp_probe: Any = None
         self.control = ControlChannel(
             options.metrics_dir, options.checkpoint_signal if options.checkpoint else None,
-            options.control_poll_interval)
+            options.control_poll_interval,
+            annotations_path=options.pod_annotations if options.checkpoint else None,
+            on_error=self._error)
         self._bind_series()
         self.sink: Sink = self._open_sink()
         self._install()
@@ -587,6 +589,9 @@ def watch(model: Any = None, optimizer: Any = None, **options: Any) -> Watch:
       topology: {'dp_rank': .., 'pp_rank': .., 'tp_rank': ..} for robust_rank_info;
       checkpoint: fn(step) run at the next step boundary after a request (SIGUSR1 or sidecar);
       checkpoint_signal: the signal that requests a checkpoint (default SIGUSR1, None for none);
+      pod_annotations: on Kubernetes, the downward API file of the pod's annotations (default
+        ROBUST_METRICS_POD_ANNOTATIONS); a new `robust-metrics.io/checkpoint-request` id there
+        requests a checkpoint (docs/schedulers.md);
       start_step: global step when resuming (or call handle.set_step(n));
       grad_norm: compute the gradient norm when clip_grad_norm_ is not called (default True);
       collectives: time torch.distributed collectives and DDP's gradient reduction, the

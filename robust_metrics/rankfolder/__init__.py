@@ -8,6 +8,9 @@ A rank's hook writes into `ROBUST_METRICS_DIR`; the node sidecar, `robust-metric
     <dir>/control/checkpoint.json  a checkpoint request for the ranks             control.py
     <dir>/archive/               the sidecar's own state (sidecar/rankdir.py)
 
+On Kubernetes a checkpoint request can also arrive as a pod annotation projected into a file
+outside the folder (downward API); control.py owns that format too, writer's name and reader.
+
 The folder is written by jobs and therefore untrusted by everyone who reads it: every access
 goes through `safeio` (no links followed, no blocking on FIFOs, bounded reads), and `proof` says
 whether a pid really is a rank writing this folder before anything acts on it. Nothing here

@@ -10,6 +10,12 @@ known to work in containers as root: `SlurmUser=root`, `ProctrackType=proctrack/
 `cred_expire=5` shortens how long a requeued job waits before it may start again (120 s by
 default) and `sched_interval=1` makes the scheduler notice that at once.
 
+It lives in tests/, not in the product package, on purpose: it runs the daemons as root with
+their security turned off (`disable_user_check`, `munged --force`), which nobody should deploy.
+It is built on the one harness (`robust_metrics.processes`: ports, spawning, stopping, waiting),
+so the tests (`tests/slurm/fixture.py`) and `bench/schedulers.py` start the same thing the same
+way, and a daemon left running fails the test session like any other process.
+
 Teardown cancels every job, stops the daemons, and then kills any process still carrying this
 cluster's SLURM_CONF in its environment (job steps outlive slurmd under proctrack/linuxproc).
 """
@@ -23,17 +29,12 @@ import shutil
 import signal
 import socket
 import subprocess
-import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
+from robust_metrics.processes import free_port, spawn, stop_process_group, wait_for
 
-from robust_metrics.processes import spawn
-from tests.support import free_port, wait_until
-
-__all__ = ["SlurmCluster", "SlurmUnavailable", "missing_binaries", "slurm_cluster"]
+__all__ = ["SlurmCluster", "SlurmUnavailable", "missing_binaries"]
 
 BINARIES = ("munged", "slurmctld", "slurmd", "slurmrestd", "scontrol", "sbatch", "squeue",
             "scancel")
@@ -86,20 +87,20 @@ class SlurmCluster:
                                    f"--log-file={self.log_dir}/munged.log",
                                    f"--pid-file={self.root}/run/munged.pid",
                                    f"--seed-file={self.root}/run/munged.seed"])
-            wait_until(lambda: (self.root / "munge.sock").exists(), 10, message="munged socket")
+            wait_for(lambda: (self.root / "munge.sock").exists(), 10, message="munged socket")
             self._spawn("slurmctld", ["slurmctld", "-D", "-i", "-f", str(self.conf)])
             self._spawn("slurmd", ["slurmd", "-D", "-f", str(self.conf), "-N", self.node])
-            wait_until(self._node_ready, timeout, interval=0.2,
+            wait_for(self._node_ready, timeout, interval=0.2,
                        message=f"node {self.node} idle in sinfo")
             self._spawn("slurmrestd", [
                 "slurmrestd", "-f", str(self.conf), "-s", f"openapi/{API_VERSION}",
                 "-a", "rest_auth/jwt", f"127.0.0.1:{self.rest_port}"],
                 extra_env={"SLURMRESTD_SECURITY": "disable_user_check", "SLURM_JWT": "daemon"})
-            wait_until(self._rest_up, timeout, interval=0.2, message="slurmrestd ping")
+            wait_for(self._rest_up, timeout, interval=0.2, message="slurmrestd ping")
         except BaseException as exc:
             logs = self.logs()
             self.stop()
-            if isinstance(exc, AssertionError):
+            if isinstance(exc, TimeoutError):
                 raise SlurmUnavailable(f"{exc}\n{logs}") from exc
             raise
         return self
@@ -221,20 +222,13 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         if self.procs.get("slurmctld") and self.procs["slurmctld"].poll() is None:
             with contextlib.suppress(Exception):
                 self.cli("scancel", "--partition=debug", check=False, timeout=10)
-                wait_until(lambda: not self.cli("squeue", "-h", check=False, timeout=5).strip(),
+                wait_for(lambda: not self.cli("squeue", "-h", check=False, timeout=5).strip(),
                            15, interval=0.3, message="jobs to end")
         for name in ("slurmrestd", "slurmd", "slurmctld", "munged"):
             proc = self.procs.pop(name, None)
             if proc is None:
                 continue
-            if proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait(timeout=10)
+            stop_process_group(proc, timeout=10)
         for pid in self._leftover_pids():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
@@ -267,25 +261,3 @@ def _field(line: str, name: str) -> str:
         if key == name:
             return value
     raise AssertionError(f"no {name}= in {line!r}")
-
-
-@pytest.fixture(scope="module")
-def slurm_cluster() -> Iterator[SlurmCluster]:
-    """One cluster per test module that imports this fixture (about 3 s to start, 1 s to stop).
-
-    Skips only where the packages are missing or the tests do not run as root; a cluster that
-    is installed but does not start is an error, with the daemons' logs.
-    """
-    missing = missing_binaries()
-    if missing:
-        pytest.skip(f"Slurm not installed ({', '.join(missing)} missing): scripts/"
-                    "install-system-deps.sh installs slurm-wlm slurmrestd slurm-wlm-jwt-plugin munge")
-    if os.geteuid() != 0:
-        pytest.skip("the test Slurm runs its daemons as root (SlurmUser=root); run as root")
-    with tempfile.TemporaryDirectory(prefix="rm-slurm-") as tmp:
-        cluster = SlurmCluster(Path(tmp))
-        try:
-            cluster.start()
-            yield cluster
-        finally:
-            cluster.stop()

@@ -44,14 +44,16 @@ class Scheduler(Protocol):
 
     - `key`: every operation gets the bridge step's idempotency key (`<incident>#<step>`).
       An adapter passes it on where the scheduler can keep it (the `local` state file, the
-      webhook's `Idempotency-Key` header) and ignores it where it cannot (Slurm, Kubernetes).
+      webhook's `Idempotency-Key` header, the Kubernetes checkpoint annotation) and ignores it
+      where it cannot (Slurm).
     - `completed(run, key)`: after a crash of the bridge, whether operation `key` finished
       (True), did not (False), or cannot be known (None). Only True resumes a step as done;
       None fails it rather than repeat a restart.
     - `close()`: release connections and reap children when the bridge stops.
 
     `signal` is how the `checkpoint` action reaches the ranks when no sidecar is configured
-    (SIGUSR1); an adapter whose scheduler cannot signal raises `SchedulerError` saying so.
+    (SIGUSR1; on Kubernetes a pod annotation the hook reads); an adapter that cannot deliver a
+    signal raises `SchedulerError` saying so.
     """
 
     name: str

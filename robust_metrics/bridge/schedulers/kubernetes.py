@@ -11,8 +11,16 @@ JobSet name, in one namespace per adapter. What each operation sends to the API 
 | drain_node | PATCH the Node: spec.unschedulable=true (what `kubectl cordon` does) and the     |
 |            | reason in an annotation; POST an Event on the Node.                              |
 | cancel     | GET the job, POST an Event on it, DELETE it (background propagation).           |
-| signal     | refused: Kubernetes has no signal API; the bridge's `checkpoint` action asks the |
-|            | node sidecar instead (configure `sidecars`).                                     |
+| signal     | SIGUSR1 only: LIST the job's pods, PATCH each one's annotations                  |
+|            | `robust-metrics.io/checkpoint-request` (a request id) and `...-request-key`.     |
+
+Kubernetes has no API to signal a pod's processes. Its own way to tell a running container
+something is an annotation projected into a file by a downward API volume: the kubelet rewrites
+the file (within about a minute, its sync period), and the hook, given the file's path
+(`ROBUST_METRICS_POD_ANNOTATIONS`), takes a new request id there as one checkpoint request and
+acknowledges it in `robust_checkpoint_request_id`, as for SIGUSR1. The same idempotency `key`
+sets the same id again (the key is kept beside the id on the pods), so a retried action never
+asks for a second checkpoint.
 
 Cordon only: evicting the pods of a synchronous training job one by one would only turn one
 failure into many, so the job is restarted by `restart` and the new pods avoid the node.
@@ -44,15 +52,21 @@ from __future__ import annotations
 import datetime as dt
 import os
 import re
+import signal as signal_module
 import socket
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 from robust_metrics.bridge.schedulers.base import ActionResult, SchedulerError, check_keys, register
 from robust_metrics.configuration import ConfigError
+from robust_metrics.rankfolder.control import (
+    CHECKPOINT_ANNOTATION,
+    CHECKPOINT_KEY_ANNOTATION,
+    new_request_id,
+)
 
 __all__ = ["KINDS", "JobKind", "KubernetesScheduler"]
 
@@ -128,9 +142,29 @@ class KubernetesScheduler:
 
     # ------------------------------------------------------------------ operations
     def signal(self, run: str, signum: int, *, key: str | None = None) -> ActionResult:
-        raise SchedulerError("kubernetes: there is no API to signal a pod's processes, so a "
-                             "checkpoint cannot go through this scheduler; configure `sidecars` "
-                             "(the node sidecar passes the request to the ranks)")
+        """Ask every pod of the run for a checkpoint through its annotations (SIGUSR1 only)."""
+        if signum != signal_module.SIGUSR1:
+            raise SchedulerError(f"kubernetes: only SIGUSR1 (a checkpoint request) reaches a pod, "
+                                 f"as the annotation {CHECKPOINT_ANNOTATION}; there is no API to "
+                                 f"send signal {signum}")
+        _check_name(run, "run")
+        pods = self._pod_annotations(run)
+        if not pods:
+            raise SchedulerError(f"kubernetes: {self.kind.kind} {self.namespace}/{run} has no "
+                                 f"pods labelled {self.kind.pod_label}={run} to ask for a "
+                                 "checkpoint")
+        request_id = _request_id(pods.values(), key)
+        values = {CHECKPOINT_ANNOTATION: str(request_id)}
+        if key is not None:
+            values[CHECKPOINT_KEY_ANNOTATION] = key[:_MESSAGE_MAX]
+        annotated = [pod for pod in sorted(pods) if self._annotate(pod, values)]
+        if not annotated:
+            raise SchedulerError(f"kubernetes: every pod of {self.namespace}/{run} was gone "
+                                 "before it could be asked for a checkpoint")
+        return ActionResult(True, f"checkpoint request {request_id} set on {len(annotated)} "
+                            f"pod(s) of {self.kind.kind} {self.namespace}/{run} "
+                            f"({CHECKPOINT_ANNOTATION})",
+                            {"pods": annotated, "request_id": request_id})
 
     def restart(self, run: str, reason: str, *, key: str | None = None) -> ActionResult:
         job = self._get_job(run)
@@ -188,11 +222,32 @@ class KubernetesScheduler:
                 "namespace": self.namespace, "uid": meta.get("uid")}
 
     def _pods(self, run: str) -> list[str]:
+        return sorted(self._pod_annotations(run))
+
+    def _pod_annotations(self, run: str) -> dict[str, dict[str, str]]:
+        """pod name -> its annotations, for every pod labelled with the run."""
         selector = f"{self.kind.pod_label}={run}"
         pods = self._call(f"list pods {self.namespace} -l {selector}", lambda: (
             self.core.list_namespaced_pod(self.namespace, label_selector=selector,
                                           _request_timeout=self.timeout_s)))
-        return sorted(p.metadata.name for p in pods.items)
+        return {p.metadata.name: dict(p.metadata.annotations or {}) for p in pods.items}
+
+    def _annotate(self, pod: str, values: Mapping[str, str]) -> bool:
+        """Merge `values` into the pod's annotations; False when the pod is gone."""
+        from kubernetes.client.exceptions import ApiException
+
+        patch = {"metadata": {"annotations": dict(values)}}
+        try:
+            self.core.patch_namespaced_pod(pod, self.namespace, patch,
+                                           _content_type="application/merge-patch+json",
+                                           _request_timeout=self.timeout_s)
+        except ApiException as exc:
+            if exc.status == 404:
+                return False
+            raise _error(f"patch pod {self.namespace}/{pod}", exc) from None
+        except Exception as exc:
+            raise _unreachable(exc) from None
+        return True
 
     def _delete_pods(self, run: str) -> list[str]:
         from kubernetes.client.exceptions import ApiException
@@ -332,6 +387,20 @@ def _default_namespace(config: Mapping[str, Any]) -> str:
         return str((chosen or {}).get("context", {}).get("namespace") or "default")
     except Exception:  # no kubeconfig: in-cluster without a namespace file
         return "default"
+
+
+def _request_id(pods: Iterable[Mapping[str, str]], key: str | None) -> int:
+    """The id a pod already holds for `key` (a retried action), else a new one, newer than any
+    id on the pods so the hook, which takes only newer ids, cannot mistake it for an old one."""
+    held = []
+    for held_by_pod in pods:
+        raw = held_by_pod.get(CHECKPOINT_ANNOTATION, "")
+        if raw.isascii() and raw.isdigit():
+            if key is not None and held_by_pod.get(CHECKPOINT_KEY_ANNOTATION) == key[
+                    :_MESSAGE_MAX]:
+                return int(raw)
+            held.append(int(raw))
+    return max([new_request_id(), *(i + 1 for i in held)])
 
 
 def _check_name(value: str, what: str) -> None:
