@@ -83,9 +83,9 @@ def test_the_window_ends_after_ddp_waited_for_its_buckets(gloo: None) -> None:
         compute = value(handle, "robust_step_compute_seconds_sum")
     assert duration - compute >= 3 * 0.045, (duration, compute)
     assert compute < duration / 2
-    # while a rank waits in DDP's reduction it shows entered = completed + 1 (RankHang's signal);
-    # the first step finds the parameter to watch, so it counts at the end
-    assert seen_while_waiting == [(0, 0), (2, 1), (3, 2)]
+    # while a rank waits in DDP's reduction it shows entered = completed + 1 (RankHang's signal),
+    # from the first step on (that step counts its entry at its first gradient)
+    assert seen_while_waiting == [(1, 0), (2, 1), (3, 2)]
 
 
 def test_micro_steps_under_no_sync_count_no_reduction(gloo: None) -> None:
