@@ -63,7 +63,7 @@ EXPLAINED = (f'label_replace(run:robust_straggler_explained_by_workers:ratio5m{{
              f'label_replace(run:robust_straggler_explained_by_last_stage:ratio5m{{{RUN}}}, '
              f'"share", "M_S (last stage)", "", "")')
 MFU = f"run:robust_mfu:ratio5m{{{RUN}}}"
-RANK_FLOPS = f"run_rank:robust_model_flops:rate5m{{{RANKS}}}"
+RANK_FLOPS = f"rate(robust_model_flops_total{{{RANKS}}}[{RI}])"
 
 
 def by_dp_and_stage(expr: str) -> str:
