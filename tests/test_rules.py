@@ -194,7 +194,7 @@ def test_runbook_has_a_section_per_alert() -> None:
 def test_hang_and_slowness_alerts_are_silenced_by_the_checkpoint_and_eval_phases() -> None:
     for alert in ALERTS:
         if alert["alert"] in {"TrainingHang", "RankHang", "SlowRank", "StragglerSlowdownHigh",
-                              "ThroughputDrop"}:
+                              "ThroughputDrop", "MFUDrop"}:
             assert "unless on (run) run:robust_phase:paused" in alert["expr"], alert["alert"]
 
 
