@@ -50,7 +50,9 @@ SAMPLE_KEYS = {
     "robust_collectives_completed_total": "steps", "robust_rank_step_age_seconds": "small",
     "robust_rank_process_cpu_seconds_total": "steps", "robust_last_checkpoint_timestamp_seconds":
     "start", "robust_rank_process_resident_memory_bytes": "bytes",
+    "robust_model_flops_total": "flops", "robust_gpu_peak_flops": "peak",
 }
+FLOPS_PER_SECOND, PEAK_FLOPS = 400e12, 989e12  # with --flops: MFU = 400 / 989 on every rank
 
 
 def _labels(spec: schema.MetricSpec, rank: int, node: int) -> list[str]:
@@ -66,8 +68,12 @@ def _labels(spec: schema.MetricSpec, rank: int, node: int) -> list[str]:
     return [",".join(f'{name}="{values[name]}"' for name in spec.labels)]
 
 
-def rank_specs() -> list[schema.MetricSpec]:
-    """Per-rank metrics published by default on a CPU rank (no CUDA memory, no hook errors)."""
+def rank_specs(flops: bool = False) -> list[schema.MetricSpec]:
+    """Per-rank metrics published by default on a CPU rank (no CUDA memory, no hook errors);
+    with `flops`, also the FLOP counter of watch(flops_per_step=) and the peak of the rank's GPU
+    (one GPU per rank, so the sidecar's per-GPU peak counts here as one series per rank)."""
+    if flops:
+        return [*rank_specs(), schema.MODEL_FLOPS, schema.GPU_PEAK_FLOPS]
     skip = {"robust_cuda_memory_allocated_bytes", "robust_cuda_memory_reserved_bytes",
             "robust_cuda_memory_peak_bytes", "robust_hook_errors_total"}
     return [m for m in schema.all_metrics()
@@ -75,11 +81,11 @@ def rank_specs() -> list[schema.MetricSpec]:
             and m.source in (schema.Source.RANK, schema.Source.SIDECAR)]
 
 
-def shard_template(ranks: range) -> str:
+def shard_template(ranks: range, flops: bool = False) -> str:
     lines = []
     for rank in ranks:
         node = rank // 8
-        for spec in rank_specs():
+        for spec in rank_specs(flops):
             for labels in _labels(spec, rank, node):
                 for sample in spec.sample_names():
                     key = SAMPLE_KEYS.get(sample, "one")
@@ -94,8 +100,8 @@ def shard_template(ranks: range) -> str:
 class Exporter:
     """Serves /shard/<i> for every shard; values advance with wall time (1 step per second)."""
 
-    def __init__(self, ranks: int, per_target: int) -> None:
-        self.templates = [shard_template(range(i, min(i + per_target, ranks)))
+    def __init__(self, ranks: int, per_target: int, flops: bool = False) -> None:
+        self.templates = [shard_template(range(i, min(i + per_target, ranks)), flops)
                           for i in range(0, ranks, per_target)]
         self.series = sum(t.count("\n") for t in self.templates)
         self.start = time.time()
@@ -129,7 +135,8 @@ class Exporter:
                 "compute": f"{0.6 * t:.3f}", "compute_slow": f"{0.9 * t:.3f}",
                 "blocked": f"{0.4 * t:.3f}", "blocked_slow": f"{0.1 * t:.3f}",
                 "small": f"{0.01 * t:.3f}", "loss": "2.0", "one": "1", "zero": "0",
-                "bytes": f"{1e6 * t:.0f}"}
+                "bytes": f"{1e6 * t:.0f}", "flops": f"{FLOPS_PER_SECOND * t:.6e}",
+                "peak": f"{PEAK_FLOPS:.6e}"}
 
     def __enter__(self) -> Exporter:
         self.thread.start()
@@ -188,6 +195,7 @@ def measure_prometheus(args: argparse.Namespace, exporter: Exporter, rule_file: 
         head = prom.api("status/tsdb")["headStats"]
         scrape_s = [float(r["value"][1]) for r in prom.query("scrape_duration_seconds")]
         slowdown = prom.query("run:robust_straggler_slowdown:ratio5m")
+        mfu = prom.query("run:robust_mfu:ratio5m")
         slow = prom.query("run_rank:robust_step_compute_seconds:ratio_to_median5m > 1.25")
         rss = psutil.Process(prom.proc.pid).memory_info().rss if prom.proc else 0
         # Quiet replay: stop the exporter (no more ingestion), then run every rule's
@@ -216,6 +224,7 @@ def measure_prometheus(args: argparse.Namespace, exporter: Exporter, rule_file: 
         "scrape_duration_s_max": max(scrape_s, default=0.0),
         "rule_errors": errors,
         "straggler_slowdown": slowdown[0]["value"][1] if slowdown else None,
+        "mfu": mfu[0]["value"][1] if mfu else None,
         "slow_ranks_found": [s["metric"]["rank"] for s in slow],
         "slowest_rules_last_eval_s": [(name, round(t, 4)) for t, name in slowest],
         "quiet_slowest_rules_s": sorted(((round(t, 4), n) for n, t in per_rule.items()),
@@ -320,9 +329,13 @@ def main(argv: list[str] | None = None) -> int:
                         default="prometheus",
                         help="both: VictoriaMetrics first, then Prometheus, same exporter")
     parser.add_argument("--shards", type=int, default=2, help="vmagent shards")
+    parser.add_argument("--flops", action="store_true",
+                        help="ranks count model FLOPs (watch(flops_per_step=)) and GPUs have a "
+                             "peak: the MFU rules get input and the per-rank cost of MFU shows")
     args = parser.parse_args(argv)
 
-    with tempfile.TemporaryDirectory() as tmp, Exporter(args.ranks, args.per_target) as exporter:
+    with tempfile.TemporaryDirectory() as tmp, Exporter(args.ranks, args.per_target,
+                                                               args.flops) as exporter:
         print(f"exporter: {args.ranks} ranks, {exporter.series} series "
               f"({exporter.series / args.ranks:.1f} per rank), {len(exporter.templates)} targets",
               flush=True)

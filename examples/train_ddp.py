@@ -53,6 +53,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--crash-rank", type=int, default=-1)
     p.add_argument("--crash-step", type=int, default=-1,
                    help="the crash rank raises at this step, after every restart too")
+    p.add_argument("--flops-per-step", type=float, default=0.0,
+                   help="model FLOPs per optimizer step for MFU (watch(flops_per_step=); 0: off)")
     p.add_argument("--summary", action="store_true", help="print the published metrics at the end")
     return p.parse_args(argv)
 
@@ -82,7 +84,8 @@ def main(argv: list[str] | None = None) -> None:
             os.replace(ckpt_path + ".tmp", ckpt_path)
         print(f"rank {rank}: checkpoint at step {step}", flush=True)
 
-    handle = robust_metrics.watch(ddp, optimizer, checkpoint=save_checkpoint, start_step=start)
+    handle = robust_metrics.watch(ddp, optimizer, checkpoint=save_checkpoint, start_step=start,
+                                  flops_per_step=args.flops_per_step or None)
     if rank == args.slow_rank:
         model.slow_seconds = args.slow_seconds
     generator = torch.Generator().manual_seed(rank)

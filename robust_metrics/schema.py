@@ -156,6 +156,12 @@ GC_PAUSE = _declare(
     "robust_gc_pause_seconds", S, "Python garbage collector pauses in this rank process.",
     unit="seconds",
 )
+MODEL_FLOPS = _declare(
+    "robust_model_flops_total", C,
+    "Model FLOPs this rank computed, flops_per_step of watch() per optimizer step (the MFU "
+    "numerator). Published only when flops_per_step is set.",
+    default_on=False,
+)
 PHASE = _declare(
     "robust_phase", G,
     "1 for the phase the rank is in (train, eval, checkpoint), 0 for the others.",
@@ -313,6 +319,12 @@ NVML_UP = _declare(
 GPU_INFO = _declare(
     "robust_gpu_info", G, "Always 1; identity of a GPU.", labels=(*GPU, "uuid", "name"),
     source=SIDECAR,
+)
+GPU_PEAK_FLOPS = _declare(
+    "robust_gpu_peak_flops", G,
+    "Peak dense FLOP/s of a GPU in the sidecar's --gpu-peak-dtype (default bf16), from its NVML "
+    "name (robust_metrics/sidecar/gpu_peaks.py) or --gpu-peak-flops; the MFU denominator.",
+    labels=GPU, source=SIDECAR,
 )
 GPU_LOST = _declare(
     "robust_gpu_lost", G,

@@ -154,6 +154,9 @@ def test_explicit_loss_wins_over_the_captured_one(watched: tuple) -> None:  # ty
     ({"checkpoint": "save"}, "checkpoint= must be a callable"),
     ({"run": 'a"b'}, "run="),
     ({"trace_every": 5}, "trace_every= needs trace_dir="),
+    ({"flops_per_step": -1.0}, "flops_per_step=-1.0"),
+    ({"flops_per_step": float("inf")}, "flops_per_step=inf"),
+    ({"flops_per_step": "6e12"}, "flops_per_step='6e12'"),
 ])
 def test_bad_options_fail_at_watch_with_the_option_named(
         watched: tuple, options: dict, message: str) -> None:  # type: ignore[type-arg]
@@ -435,3 +438,35 @@ def test_time_blocked_in_a_phase_is_not_taken_from_the_next_step(watched: tuple)
     durations = value(handle, "robust_step_duration_seconds_sum")
     computes = value(handle, "robust_step_compute_seconds_sum")
     assert computes == pytest.approx(durations, rel=1e-6), "the phase's blocked time leaked"
+
+
+def test_flops_per_step_counts_model_flops_at_every_step(watched: tuple) -> None:  # type: ignore[type-arg]
+    handle = start(watched, flops_per_step=2.5e9)
+    train(watched[0], watched[1], 4)
+    assert value(handle, "robust_model_flops_total") == 4 * 2.5e9
+
+
+def test_a_flops_callable_is_asked_at_each_step(watched: tuple) -> None:  # type: ignore[type-arg]
+    tokens = iter([100, 200, 300])
+    handle = start(watched, flops_per_step=lambda: 6 * 1000 * next(tokens))
+    train(watched[0], watched[1], 3)
+    assert value(handle, "robust_model_flops_total") == 6 * 1000 * 600
+
+
+def test_without_flops_per_step_no_flops_series_exists(watched: tuple) -> None:  # type: ignore[type-arg]
+    handle = start(watched)
+    train(watched[0], watched[1], 2)
+    with pytest.raises(KeyError):
+        value(handle, "robust_model_flops_total")
+
+
+def test_a_broken_flops_callable_never_reaches_training(watched: tuple) -> None:  # type: ignore[type-arg]
+    def fail() -> float:
+        raise RuntimeError("injected failure")
+
+    answers = iter([lambda: 1e9, lambda: torch.tensor(1e9), lambda: float("nan"), fail])
+    handle = start(watched, flops_per_step=lambda: next(answers)())
+    train(watched[0], watched[1], 4)  # must not raise
+    # step 1 counts; a tensor and a NaN are refused; step 4's callable raises
+    assert value(handle, "robust_model_flops_total") == 1e9
+    assert value(handle, "robust_hook_errors_total", where="flops") == 3

@@ -161,7 +161,7 @@ def test_the_issue_alerts_all_exist() -> None:
               "GradNormSpike", "NonFiniteLoss", "NonFiniteGradients", "ThroughputDrop",
               "GPUXidCritical", "GPUEccUncorrectable", "GPURowRemapFailure", "GPUThermalThrottle",
               "GPULost", "NICLinkDown", "NICFlapping", "SidecarDown", "CheckpointStale", "RankExited",
-              "LossRise", "GradNormRise"}
+              "LossRise", "GradNormRise", "MFUDrop"}
     assert {a["alert"] for a in ALERTS} == wanted
 
 
@@ -194,7 +194,7 @@ def test_runbook_has_a_section_per_alert() -> None:
 def test_hang_and_slowness_alerts_are_silenced_by_the_checkpoint_and_eval_phases() -> None:
     for alert in ALERTS:
         if alert["alert"] in {"TrainingHang", "RankHang", "SlowRank", "StragglerSlowdownHigh",
-                              "ThroughputDrop"}:
+                              "ThroughputDrop", "MFUDrop"}:
             assert "unless on (run) run:robust_phase:paused" in alert["expr"], alert["alert"]
 
 
@@ -299,7 +299,7 @@ def test_the_package_finds_its_rules() -> None:
     assert rules.RULES_DIR.is_dir()
     assert {p.name for p in rules.rule_files()} == {
         "training.yml", "stragglers.yml", "attribution.yml", "numerics.yml", "gpu.yml", "nic.yml",
-        "exporter.yml"}
+        "exporter.yml", "mfu.yml"}
 
 
 # -- Alertmanager routing example -------------------------------------------------------------

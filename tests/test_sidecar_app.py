@@ -202,6 +202,9 @@ def test_cli_exit_codes_for_config_faults(tmp_path: Path) -> None:
     assert web.returncode == EXIT_CONFIG and "unknown key" in web.stderr
     listen = run_cli("--dir", directory, "--listen", "nowhere")
     assert listen.returncode == EXIT_CONFIG and "--listen" in listen.stderr
+    peak = run_cli("--dir", directory, "--gpu-peak-flops", "H100=fast")
+    assert peak.returncode == EXIT_CONFIG and "--gpu-peak-flops 'H100=fast'" in peak.stderr
+    assert "Traceback" not in peak.stderr
     assert run_cli("--dir", directory, "--bogus").returncode == 2  # argparse
 
 

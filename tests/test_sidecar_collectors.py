@@ -176,6 +176,20 @@ def test_nvml_values_and_flags() -> None:
     assert sample(registry, "robust_gpu_lost", **g0) == 0
 
 
+def test_nvml_publishes_each_gpus_peak_flops_from_its_name() -> None:
+    nvml = FakeNvml([FakeGpu("GPU-aaaa"), FakeGpu("GPU-bbbb", name="NVIDIA A10G"),
+                     FakeGpu("GPU-cccc", name="Tesla V100-SXM2-32GB")])
+    registry = registry_of(nvml=NvmlCollector("n1", nvml=nvml, xid_events=False))
+    assert sample(registry, "robust_gpu_peak_flops", node="n1", gpu="0") == 989e12
+    assert sample(registry, "robust_gpu_peak_flops", node="n1", gpu="1") is None  # not in table
+    assert sample(registry, "robust_gpu_peak_flops", node="n1", gpu="2") is None  # no bf16
+    fp16 = registry_of(nvml=NvmlCollector("n1", nvml=nvml, xid_events=False, peak_dtype="fp16",
+                                          peak_overrides=[("A10G", 70e12)]))
+    assert sample(fp16, "robust_gpu_peak_flops", node="n1", gpu="0") == 989e12
+    assert sample(fp16, "robust_gpu_peak_flops", node="n1", gpu="1") == 70e12
+    assert sample(fp16, "robust_gpu_peak_flops", node="n1", gpu="2") == 125e12
+
+
 def test_unsupported_field_costs_only_its_series() -> None:
     nvml = two_gpus()
     nvml.gpus[0].unsupported = {"energy", "remap"}

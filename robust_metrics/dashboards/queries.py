@@ -56,6 +56,20 @@ ETTR_1H = f"run:robust_ettr:ratio1h{{{RUN}}}"
 ETTR_START = f"run:robust_ettr:ratio_since_start{{{RUN}}}"
 STEP_AGE = f"run_rank:robust_step_age_seconds:max{{{RANKS}}}"
 RANK_NODE = "run_rank:robust_rank_info:last"
+STAGE_SLOWDOWN = f"run_stage:robust_straggler_slowdown:ratio5m{{{RUN}}}"
+VERDICT = f"run:robust_straggler_verdict:class5m{{{RUN}}}"
+EXPLAINED = (f'label_replace(run:robust_straggler_explained_by_workers:ratio5m{{{RUN}}}, '
+             f'"share", "M_W (top 3% of ranks)", "", "") or '
+             f'label_replace(run:robust_straggler_explained_by_last_stage:ratio5m{{{RUN}}}, '
+             f'"share", "M_S (last stage)", "", "")')
+MFU = f"run:robust_mfu:ratio5m{{{RUN}}}"
+RANK_FLOPS = f"rate(robust_model_flops_total{{{RANKS}}}[{RI}])"
+
+
+def by_dp_and_stage(expr: str) -> str:
+    """A per-rank value as one series per (run, DP rank, pipeline stage): the stage's slowest."""
+    return (f"max by (run, dp_rank, pp_rank) (({expr}) * on(run, rank) "
+            f"group_left(dp_rank, pp_rank) topk by (run, rank) (1, robust_rank_info{{{RUN}}}))")
 
 
 # Firing alerts of the selected runs, an annotation on every dashboard.

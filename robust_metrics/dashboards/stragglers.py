@@ -6,15 +6,28 @@ from robust_metrics.dashboards.model import DashboardSpec, PanelSpec, Section, T
 from robust_metrics.dashboards.queries import (
     ALERTS,
     COMPUTE_RATIO,
+    EXPLAINED,
     RANKS,
     RI,
     SLOWDOWN,
+    STAGE_SLOWDOWN,
     STEP_AGE,
+    VERDICT,
+    by_dp_and_stage,
     mean,
     on_nodes,
     with_topology,
 )
-from robust_metrics.dashboards.styles import chain, heatmap, hide_time, stacked, table_sorted, thresholds
+from robust_metrics.dashboards.styles import (
+    chain,
+    heatmap,
+    hide_time,
+    matrix,
+    names,
+    stacked,
+    table_sorted,
+    thresholds,
+)
 
 STRAGGLERS = DashboardSpec(
     uid="robust-stragglers",
@@ -41,6 +54,29 @@ STRAGGLERS = DashboardSpec(
                       "(1.0 = no loss). The offline what-if analysis refines it from op traces.",
                       width=12, height=9,
                       style=thresholds((None, "green"), (1.1, "orange"), (1.3, "red"))),
+        )),
+        Section("Attribution: DP ranks and pipeline stages", (
+            PanelSpec("Compute ratio by DP rank and PP stage", "table",
+                      (Target(by_dp_and_stage(COMPUTE_RATIO), "", True),),
+                      "The slowest rank's compute time over the run median for each data-parallel "
+                      "rank (rows) and pipeline stage (columns), from robust_rank_info's "
+                      "topology. One hot cell is one bad worker; a hot column is a heavy stage.",
+                      width=10, height=9, style=chain(hide_time, matrix("dp_rank", "pp_rank"))),
+            PanelSpec("Slowdown S by pipeline stage", "timeseries", (
+                Target(SLOWDOWN, "S {{run}}"),
+                Target(STAGE_SLOWDOWN, "stage {{pp_rank}} {{run}}"),
+            ), "S of the run, and each stage's S: the ideal step time with only that stage's "
+               "ranks at their real compute time (alert_rules/attribution.yml). The stage whose "
+               "line tracks the run's S is the one to fix.", width=8, height=9),
+            PanelSpec("Straggler verdict", "stat", (Target(VERDICT, "{{verdict}}", True),),
+                      "The straggler study's classification: worker (the top 3% of ranks explain "
+                      "half the slowdown or more), stage (the last pipeline stage does), spread "
+                      "(neither), none (S below 1.03).", width=6, height=4, style=names),
+            PanelSpec("Share of the slowdown explained", "timeseries",
+                      (Target(EXPLAINED, "{{share}} {{run}}"),),
+                      "M_W: the share of the slowdown removed by making the slowest 3% of ranks "
+                      "ideal; M_S: by making the last pipeline stage ideal. Recorded while S >= "
+                      "1.03.", unit="percentunit", width=6, height=5),
         )),
         Section("Where the time goes", (
             PanelSpec("Collective time by op", "timeseries",

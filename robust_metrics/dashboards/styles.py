@@ -91,3 +91,31 @@ def chain(*styles: Callable[[Any], Any]) -> Callable[[Any], Any]:
             builder = s(builder)
         return builder
     return apply
+
+
+def matrix(rows: str, columns: str) -> Callable[[Any], Any]:
+    """An instant table pivoted into a grid (`rows` x `columns` labels), cells coloured by value
+    from 0.5 (blue) through 1.0 to 1.5 (red): a heatmap over two labels instead of time."""
+    def apply(builder: Any) -> Any:
+        from grafana_foundation_sdk.builders.dashboard import FieldColor
+        from grafana_foundation_sdk.models.common import (
+            TableCellBackgroundDisplayMode,
+            TableColoredBackgroundCellOptions,
+        )
+        from grafana_foundation_sdk.models.dashboard import DataTransformerConfig, FieldColorModeId
+
+        return (builder.with_transformation(DataTransformerConfig(
+                    id_val="groupingToMatrix",
+                    options={"rowField": rows, "columnField": columns, "valueField": "Value"}))
+                .cell_options(TableColoredBackgroundCellOptions(
+                    mode=TableCellBackgroundDisplayMode.GRADIENT))
+                .color_scheme(FieldColor().mode(FieldColorModeId.CONTINUOUS_BL_YL_RD))
+                .min(0.5).max(1.5).decimals(2))
+    return apply
+
+
+def names(builder: Any) -> Any:
+    """A stat that shows each series' legend (a class label such as the verdict), not a number."""
+    from grafana_foundation_sdk.models.common import BigValueColorMode, BigValueTextMode
+
+    return builder.text_mode(BigValueTextMode.NAME).color_mode(BigValueColorMode.NONE)

@@ -7,6 +7,8 @@ from robust_metrics.dashboards.queries import (
     ALERTS,
     ETTR_1H,
     ETTR_START,
+    MFU,
+    RANK_FLOPS,
     RANKS,
     RUN,
     STEP_TIME_MAX,
@@ -74,6 +76,15 @@ TRAINING_OVERVIEW = DashboardSpec(
             PanelSpec("Throughput over time", "timeseries",
                       (Target(THROUGHPUT, "{{run}}"),),
                       "Optimizer steps per second of the run.", unit="none"),
+            PanelSpec("Model FLOPs utilisation (MFU)", "timeseries", (Target(MFU, "{{run}}"),),
+                      "Achieved model FLOP/s (watch(flops_per_step=...)) over the summed peak "
+                      "FLOP/s of the ranks' GPUs (the sidecar's table, --gpu-peak-dtype). MFUDrop "
+                      "fires when it stays 10% below its last-hour median for 10 minutes.",
+                      unit="percentunit"),
+            PanelSpec("Achieved FLOP/s per rank", "timeseries",
+                      (Target(RANK_FLOPS, "rank {{rank}}"),),
+                      "Model FLOP/s each rank computes. A rank below its peers computes less "
+                      "per second: a straggler or a throttled GPU.", unit="flops"),
         )),
         Section("Numerics", (
             PanelSpec("Loss", "timeseries", (

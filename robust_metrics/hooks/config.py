@@ -6,6 +6,7 @@ Everything a user can get wrong is checked here, once, with a message that names
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import socket
@@ -67,6 +68,7 @@ class WatchOptions:
     trace_dir: str | None = None
     trace_every: int = 0
     trace_steps: int = 1
+    flops_per_step: float | Callable[[], float] | None = None
 
     @classmethod
     def resolve(cls, env: Mapping[str, str] | None = None, **kwargs: Any) -> WatchOptions:
@@ -142,3 +144,14 @@ class WatchOptions:
             raise ValueError("trace_every= needs trace_dir= (where sampled op traces go)")
         if self.trace_steps < 1:
             raise ValueError(f"trace_steps={self.trace_steps!r}: must be >= 1")
+        flops = self.flops_per_step
+        if flops is not None and not callable(flops) and not valid_flops(flops):
+            raise ValueError(f"flops_per_step={flops!r}: must be a finite number >= 0 or a "
+                             "callable returning one")
+
+
+def valid_flops(value: object) -> bool:
+    """A FLOP count the hook can publish: a finite Python number >= 0 (a tensor would need a
+    device synchronisation to read, so it is refused, not converted)."""
+    return (isinstance(value, int | float) and not isinstance(value, bool)
+            and math.isfinite(value) and value >= 0)

@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 from robust_metrics import schema
 from robust_metrics.hooks.collectives import CollectiveTracker, group_label
-from robust_metrics.hooks.config import WatchOptions
+from robust_metrics.hooks.config import WatchOptions, valid_flops
 from robust_metrics.hooks.numerics import (
     DeferredReader,
     LossAccumulator,
@@ -122,6 +122,9 @@ class Watch:
         self._ckpt_duration = st.series(s.CHECKPOINT_DURATION)
         self._ckpt_failures = st.series(s.CHECKPOINT_FAILURES)
         self._phases = {p: st.series(s.PHASE, phase=p) for p in schema.PHASES}
+        # Only with flops_per_step: a job that does not count FLOPs spends no series on it.
+        self._model_flops = (st.series(s.MODEL_FLOPS)
+                             if self.options.flops_per_step is not None else None)
         self._global_step.set(self.global_step)
         self._start_step.set(self.global_step)
         self._set_phase("train")
@@ -291,6 +294,8 @@ class Watch:
             self._step_duration.observe(seconds)
             self._step_compute.observe(max(0.0, seconds - blocked))
         self._steps.inc()
+        if self._model_flops is not None:
+            self._count_flops()
         self.global_step += 1
         self._global_step.set(self.global_step)
         self._last_step_ts.set(time.time())
@@ -300,6 +305,15 @@ class Watch:
         self._flush()
         self._last_step_end = time.perf_counter()
         self._awaiting_forward = True
+
+    @_guard("flops")
+    def _count_flops(self) -> None:
+        """Add this step's model FLOPs: the number given, or what the callable returns now."""
+        given = self.options.flops_per_step
+        flops = given() if callable(given) else given
+        if not valid_flops(flops):
+            raise ValueError(f"flops_per_step returned {flops!r}, not a finite number >= 0")
+        self._model_flops.inc(float(flops))  # type: ignore[union-attr]
 
     def _timed_steps(self, host_seconds: float) -> list[tuple[float, float]]:
         """(step, blocked) seconds of the steps now readable (robust_metrics.hooks.timing)."""
@@ -600,7 +614,13 @@ def watch(model: Any = None, optimizer: Any = None, **options: Any) -> Watch:
       flush_interval: seconds between writes of the multiprocess files by a background thread,
         so a hung rank's files stay current (default 0.25; 0 writes at every step end).
       trace_dir, trace_every, trace_steps: record trace_steps steps out of every trace_every
-        (0: off) as what-if op traces in trace_dir (robust_metrics.hooks.trace, docs/whatif.md).
+        (0: off) as what-if op traces in trace_dir (robust_metrics.hooks.trace, docs/whatif.md);
+      flops_per_step: the model FLOPs this rank computes in one optimizer step (for a dense
+        transformer about 6 x parameters x tokens of this rank's batch, its share under tensor
+        or pipeline parallelism), or a callable taking no argument that returns them at each step
+        (variable sequence lengths). It must be a Python number: a tensor would need a device
+        synchronisation and is counted as a hook error. Publishes robust_model_flops_total, from
+        which alert_rules/mfu.yml computes achieved FLOP/s and MFU (default None: no series).
 
     Raises TypeError or ValueError for bad options; nothing raised later reaches the training loop.
     """

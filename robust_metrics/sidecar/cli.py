@@ -76,6 +76,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="default py-spy timeout per process for /debug/stacks")
     parser.add_argument("--nvml-retry", type=float, default=60.0,
                         help="seconds between NVML initialisation attempts while it fails")
+    parser.add_argument("--gpu-peak-dtype", default="bf16",
+                        help="precision of the peak FLOP/s published per GPU for MFU "
+                             "(bf16, fp16, fp8, tf32, fp32; dense, no sparsity)")
+    parser.add_argument("--gpu-peak-flops", action="append", default=[], metavar="NAME=FLOPS",
+                        help="peak FLOP/s of GPUs whose NVML name contains NAME (* for all), "
+                             "over the built-in table; repeatable")
     parser.add_argument("--collector-timeout", type=float, default=5.0,
                         help="seconds a scrape waits for a collector before reporting it failed "
                              "(keep below Prometheus's scrape_timeout)")
@@ -94,7 +100,8 @@ def _config(args: argparse.Namespace) -> SidecarConfig:
         sysfs=args.sysfs, nccl_ras_addr=args.nccl_ras_addr, nccl_interval=args.nccl_interval,
         merge_after=args.merge_after, retention=args.retention,
         stacks_timeout=args.stacks_timeout, nvml_retry=args.nvml_retry,
-        collector_timeout=args.collector_timeout)
+        collector_timeout=args.collector_timeout, gpu_peak_dtype=args.gpu_peak_dtype,
+        gpu_peak_flops=list(args.gpu_peak_flops))
     config.validate()
     return config
 

@@ -55,6 +55,8 @@ class SidecarConfig:
     stacks_timeout: float = 10.0
     nvml_retry: float = 60.0
     collector_timeout: float = 5.0
+    gpu_peak_dtype: str = "bf16"
+    gpu_peak_flops: list[str] = field(default_factory=list)
 
     def validate(self) -> None:
         if not self.directory:
@@ -68,6 +70,12 @@ class SidecarConfig:
                 raise ConfigError(f"--{name.replace('_', '-')} {value!r}: must be seconds >= 0")
         if self.nccl_interval <= 0 or self.stacks_timeout <= 0 or self.collector_timeout <= 0:
             raise ConfigError("--nccl-interval, --stacks-timeout and --collector-timeout must be > 0")
+        from robust_metrics.sidecar.gpu_peaks import DTYPES, parse_overrides
+
+        if self.gpu_peak_dtype not in DTYPES:
+            raise ConfigError(f"--gpu-peak-dtype {self.gpu_peak_dtype!r}: choose one of "
+                              f"{', '.join(DTYPES)}")
+        parse_overrides(self.gpu_peak_flops)
         _, sep, port = self.nccl_ras_addr.rpartition(":")
         if not sep or not port.isdigit():
             raise ConfigError(f"NCCL RAS address {self.nccl_ras_addr!r}: expected HOST:PORT")

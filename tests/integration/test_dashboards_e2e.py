@@ -39,6 +39,7 @@ RUN = "dash-e2e"
 NODE = "e2e-node"
 SYSFS = ROOT / "tests" / "fixtures" / "sysfs"
 RATE_INTERVAL = "1m"
+FLOPS_PER_STEP = 2e13  # per rank; the fake GPUs are H100s (989 TFLOP/s dense bf16)
 # Needs this stack produces, and needs whose panels show data only with a fault injected here.
 PROVEN = {Needs.TRAINING, Needs.CHECKPOINT, Needs.SIDECAR, Needs.GPU, Needs.NIC, Needs.BRIDGE}
 FAULTS = {Needs.NONFINITE, Needs.ALERT, Needs.GPU_FAULT}
@@ -128,7 +129,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         bridge.start()
         prom.start()
         job = RankJob(2, ["--steps", "100000", "--step-sleep", "0.1", "--slow-rank", "1",
-                          "--slow-seconds", "0.1", "--nan-rank", "0", "--nan-step", "5"],
+                          "--slow-seconds", "0.1", "--nan-rank", "0", "--nan-step", "5",
+                          "--flops-per-step", str(FLOPS_PER_STEP)],
                       env={"ROBUST_METRICS_DIR": str(metrics_dir), "ROBUST_METRICS_NODE": NODE},
                       log_dir=tmp, run=RUN)
         wait_for_series(prom, f'robust_steps_total{{run="{RUN}"}} > 10', timeout=90)
@@ -146,6 +148,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         # the rules chain (ETTR, straggler ratio) and 1 min rate windows need some history
         for expr in (f'run:robust_ettr:ratio1h{{run="{RUN}"}}',
                      f'run:robust_straggler_slowdown:ratio5m{{run="{RUN}"}}',
+                     f'run:robust_mfu:ratio5m{{run="{RUN}"}}',
                      f'ALERTS{{alertname="NonFiniteLoss", alertstate="firing", run="{RUN}"}}',
                      "robust_gpu_xid_errors_total", "robust_gpu_utilization_ratio"):
             wait_for_series(prom, expr, timeout=60)
@@ -239,6 +242,18 @@ def test_variable_queries_list_the_run_its_nodes_and_ranks(stack: Stack) -> None
             assert expected[name] <= set(listed), (spec.uid, name, listed)
             counted = stack.query(f"count by ({label}) ({selector})")
             assert expected[name] <= {s["metric"][label] for s in counted}, (spec.uid, name)
+
+
+def test_mfu_is_the_counted_flops_over_the_fake_gpus_peak(stack: Stack) -> None:
+    """Ranks found on GPUs 0 and 1 by local rank; MFU = step rate x FLOPs / (2 x H100 peak)."""
+    peaks = stack.query(f'run_rank:robust_gpu_peak_flops:max{{run="{RUN}"}}')
+    assert sorted((s["metric"]["rank"], float(s["value"][1])) for s in peaks) == [
+        ("0", 989e12), ("1", 989e12)], peaks
+    expected = stack.query(f'sum(rate(robust_steps_total{{run="{RUN}"}}[5m])) * '
+                           f'{FLOPS_PER_STEP} / (2 * 989e12)')
+    mfu = stack.query(f'run:robust_mfu:ratio5m{{run="{RUN}"}}')
+    assert len(mfu) == 1 and float(expected[0]["value"][1]) > 0, (mfu, expected)
+    assert float(mfu[0]["value"][1]) == pytest.approx(float(expected[0]["value"][1]), rel=0.05)
 
 
 def test_the_slow_rank_tops_the_straggler_views(stack: Stack) -> None:

@@ -104,3 +104,26 @@ def test_in_process_endpoints_serve_every_rank(tmp_path: Path) -> None:
                          schema.GRAD_NORM, schema.NONFINITE_LOSS, schema.NONFINITE_GRAD):
                 assert spec.name in values, spec.name
             assert "robust_step_compute_seconds_count" in values
+
+
+def test_flops_per_step_counts_model_flops_on_every_rank_within_the_budget(
+        tmp_path: Path) -> None:
+    """Two gloo ranks with watch(flops_per_step=...): the counter, and the series it costs."""
+    folder, steps, flops = tmp_path / "metrics", 12, 3.5e9
+    folder.mkdir()
+    with RankJob(2, ["--steps", str(steps), "--flops-per-step", str(flops)],
+                 env={"ROBUST_METRICS_DIR": str(folder)}, log_dir=tmp_path, run="flops") as job:
+        assert job.wait(timeout=180) == [0, 0], job.logs()
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, path=str(folder))
+    per_rank: dict[str, int] = {}
+    counted: dict[str, float] = {}
+    for family in registry.collect():
+        for s in family.samples:
+            rank = s.labels.get("rank", "")
+            per_rank[rank] = per_rank.get(rank, 0) + 1
+            if s.name == schema.MODEL_FLOPS.name:
+                counted[rank] = s.value
+    assert counted == {"0": steps * flops, "1": steps * flops}
+    assert per_rank["0"] <= 40, per_rank
+    print(f"series per rank with flops_per_step: {per_rank}")

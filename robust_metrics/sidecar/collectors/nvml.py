@@ -6,7 +6,8 @@ sidecar down: `robust_nvml_up` says whether NVML initialised (retried every `--n
 Each value is read on its own, so a field a GPU does not support (NOT_SUPPORTED) costs that series
 only. XID events arrive through an NVML event set in a background thread and are counted by code.
 Which GPU each rank uses comes from the GPU's running compute processes matched to
-`ranks/<pid>.json`.
+`ranks/<pid>.json`. Each GPU's peak FLOP/s (the MFU denominator) comes from its NVML name through
+`robust_metrics.sidecar.gpu_peaks`, in `--gpu-peak-dtype`, overridable by `--gpu-peak-flops`.
 
 The NVML module is a constructor argument so tests pass a fake at the pynvml boundary.
 """
@@ -18,7 +19,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -26,6 +27,7 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 from robust_metrics import schema
 from robust_metrics.sidecar.collector import register_collector
 from robust_metrics.sidecar.config import SidecarConfig
+from robust_metrics.sidecar.gpu_peaks import parse_overrides, peak_flops
 from robust_metrics.sidecar.rankdir import RankFolder
 
 __all__ = ["NVLINK_ERRORS", "THROTTLE_REASONS", "NvmlCollector"]
@@ -113,11 +115,14 @@ class _XidWatcher(threading.Thread):
 class NvmlCollector:
     def __init__(self, node: str, folder: RankFolder | None = None, *, nvml: Any = None,
                  retry_seconds: float = 60.0, xid_events: bool = True,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, peak_dtype: str = "bf16",
+                 peak_overrides: Sequence[tuple[str, float]] = ()) -> None:
         self.node = node
         self.folder = folder
         self.retry_seconds = retry_seconds
         self.xid_events = xid_events
+        self.peak_dtype = peak_dtype
+        self.peak_overrides = tuple(peak_overrides)
         self._nvml = nvml
         self._clock = clock
         self._up = False
@@ -197,6 +202,7 @@ class NvmlCollector:
             return CounterMetricFamily(spec.name, spec.help, labels=[*gpu_labels, *extra])
 
         info = gauge(s.GPU_INFO, ("uuid", "name"))
+        peak = gauge(s.GPU_PEAK_FLOPS)
         lost = gauge(s.GPU_LOST)
         util = gauge(s.GPU_UTILIZATION)
         mem_used, mem_total = gauge(s.GPU_MEMORY_USED), gauge(s.GPU_MEMORY_TOTAL)
@@ -229,6 +235,9 @@ class NvmlCollector:
                 uuid = _text(self._call(nvml.nvmlDeviceGetUUID, handle) or "")
                 name = _text(self._call(nvml.nvmlDeviceGetName, handle) or "")
                 put(info, [*labels, uuid, name], 1.0)
+                flops = peak_flops(name, self.peak_dtype, self.peak_overrides)
+                if flops is not None:
+                    put(peak, labels, flops)
                 rates = self._call(nvml.nvmlDeviceGetUtilizationRates, handle)
                 if rates is not None:
                     put(util, labels, rates.gpu / 100.0)
@@ -276,7 +285,7 @@ class NvmlCollector:
         if self._xid is not None:
             for (gpu, code), value in sorted(self._xid.snapshot().items()):
                 xid.add_metric([self.node, gpu, code], float(value))
-        yield from (info, lost, util, mem_used, mem_total, temp, power, energy, sm_clock,
+        yield from (info, peak, lost, util, mem_used, mem_total, temp, power, energy, sm_clock,
                     mem_clock, throttle, ecc, remap_pending, remap_failure, pcie, nvlink, xid,
                     rank_gpu)
 
@@ -329,4 +338,6 @@ class NvmlCollector:
 @register_collector("nvml", default_enabled=True,
                     help="GPU health and load through NVML (nvidia-ml-py)")
 def _factory(config: SidecarConfig, folder: RankFolder) -> NvmlCollector:
-    return NvmlCollector(config.node, folder, retry_seconds=config.nvml_retry)
+    return NvmlCollector(config.node, folder, retry_seconds=config.nvml_retry,
+                         peak_dtype=config.gpu_peak_dtype,
+                         peak_overrides=parse_overrides(config.gpu_peak_flops))
