@@ -69,7 +69,8 @@ def _labels(spec: schema.MetricSpec, rank: int, node: int) -> list[str]:
 
 
 def rank_specs(flops: bool = False) -> list[schema.MetricSpec]:
-    """Per-rank metrics published by default on a CPU rank (no CUDA memory, no hook errors);
+    """Per-rank metrics a healthy CPU rank publishes by default (no CUDA memory, no hook errors,
+    nothing that appears only after an event: a spike, a stop, an exit, a normal end);
     with `flops`, also the FLOP counter of watch(flops_per_step=) and the peak of the rank's GPU
     (one GPU per rank, so the sidecar's per-GPU peak counts here as one series per rank)."""
     if flops:
@@ -77,7 +78,7 @@ def rank_specs(flops: bool = False) -> list[schema.MetricSpec]:
     skip = {"robust_cuda_memory_allocated_bytes", "robust_cuda_memory_reserved_bytes",
             "robust_cuda_memory_peak_bytes", "robust_hook_errors_total"}
     return [m for m in schema.all_metrics()
-            if m.default_on and m.name not in skip and "rank" in m.labels
+            if m.default_on and not m.on_event and m.name not in skip and "rank" in m.labels
             and m.source in (schema.Source.RANK, schema.Source.SIDECAR)]
 
 

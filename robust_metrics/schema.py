@@ -66,6 +66,9 @@ class MetricSpec:
     `name` is the name as scraped (counters end in `_total`). `gauge_mode` is how
     prometheus_client's multiprocess mode merges a gauge across process files; rank gauges use
     `mostrecent` so a restarted rank's newest value wins and a hung rank's last value stays visible.
+    `default_on` is false for a metric published only when its option is set; `on_event` is true
+    for one that appears only after an event (a spike, a stop, an exit): neither counts in a
+    healthy rank's series budget.
     """
 
     name: str
@@ -77,6 +80,7 @@ class MetricSpec:
     gauge_mode: str = "mostrecent"
     buckets: tuple[float, ...] = ()
     default_on: bool = True
+    on_event: bool = False
 
     @property
     def base_name(self) -> str:
@@ -108,13 +112,15 @@ def _declare(
     gauge_mode: str = "mostrecent",
     buckets: tuple[float, ...] = (),
     default_on: bool = True,
+    on_event: bool = False,
 ) -> MetricSpec:
     if name in _REGISTRY:
         raise ValueError(f"metric {name} declared twice")
     if type_ is MetricType.COUNTER and not name.endswith("_total"):
         raise ValueError(f"counter {name} must end in _total")
     spec = MetricSpec(
-        name, type_, help_, tuple(labels), source, unit, gauge_mode, buckets, default_on
+        name, type_, help_, tuple(labels), source, unit, gauge_mode, buckets, default_on,
+        on_event
     )
     _REGISTRY[name] = spec
     return spec
@@ -181,12 +187,12 @@ LOSS_SPIKES = _declare(
     "robust_loss_spikes_total", C,
     "Steps whose loss exceeded this rank's running mean by 6 standard deviations plus 10% "
     "(after a warmup of 50 steps); counted by the hook at every step, so a spike of one step counts. "
-    "Appears at the first spike.",
+    "Appears at the first spike.", on_event=True,
 )
 GRAD_NORM_SPIKES = _declare(
     "robust_grad_norm_spikes_total", C,
     "Steps whose gradient norm exceeded this rank's running mean by 6 standard deviations plus "
-    "50% (after a warmup of 50 steps). Appears at the first spike.",
+    "50% (after a warmup of 50 steps). Appears at the first spike.", on_event=True,
 )
 
 # --- rank: collectives ----------------------------------------------------------------------
@@ -290,18 +296,19 @@ RANK_PROCESS_STOPPED = _declare(
     "robust_rank_process_stopped", G,
     "1 while the rank's process is stopped (state T, e.g. SIGSTOP) or traced (state t); absent "
     "otherwise.",
-    source=SIDECAR,
+    source=SIDECAR, on_event=True,
 )
 RANK_FINISHED = _declare(
     "robust_rank_finished", G,
     "1 once the rank's process ended normally (close() or interpreter exit without an uncaught "
     "exception) or was stopped on request (SIGTERM, SIGINT, SIGHUP seen at its exit), kept while "
-    "the sidecar knows the process; absent before.", source=SIDECAR,
+    "the sidecar knows the process; absent before.", source=SIDECAR, on_event=True,
 )
 RANK_EXIT_TIMESTAMP = _declare(
     "robust_rank_exit_timestamp_seconds", G,
     "Unix time at which the sidecar saw the rank's process exit (only for exited processes); "
     "the earliest exit of a run names the rank that failed first.", source=SIDECAR, unit="seconds",
+    on_event=True,
 )
 RANK_STEP_AGE = _declare(
     "robust_rank_step_age_seconds", G,

@@ -42,7 +42,6 @@ TOLERANCE = 0.05
 # scrape interval of increase, and Prometheus divides a new series' increase by the whole window.
 # (relative, absolute) tolerance; the absolute one is one 15 s scrape at 1 step/s over 5 minutes.
 RATE_TOLERANCE = {"run:robust_steps:rate5m": (TOLERANCE, 0.05),
-                  "run_rank:robust_step_blocked_seconds:mean5m": (0.2, 0.0),
                   "run:robust_step_blocked_seconds:min5m": (0.2, 0.0)}
 NEW_SERIES_WINDOW_S = 5 * 60
 
