@@ -167,7 +167,8 @@ class Replay:
         self.groups = groups
         self.flush_url = flush_url  # VictoriaMetrics: make written samples searchable now
         self.client = httpx.Client(timeout=60)
-        self.previous: dict[str, set[tuple[tuple[str, str], ...]]] = {}
+        self.previous: dict[tuple[str, tuple[tuple[str, str], ...]],
+                            set[tuple[tuple[str, str], ...]]] = {}
         self.active_since: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
         self.dirty: set[str] = set()
 
@@ -212,7 +213,7 @@ class Replay:
             metric = {k: v for k, v in sample["metric"].items() if k != "__name__"}
             outputs[_key({**metric, **extra})] = float(sample["value"][1])
         if "record" in rule:
-            self._record(name, outputs, at)
+            self._record(name, _key(extra), outputs, at)
             trace.records[(at, name)] = outputs
             return
         firing = set()
@@ -224,14 +225,16 @@ class Replay:
             del self.active_since[stale]
         trace.alerts[(at, name)] = firing
 
-    def _record(self, name: str, outputs: dict[tuple[tuple[str, str], ...], float],
-                at: float) -> None:
+    def _record(self, name: str, rule_labels: tuple[tuple[str, str], ...],
+                outputs: dict[tuple[tuple[str, str], ...], float], at: float) -> None:
+        # several rules may record one name (with different static labels): each rule marks
+        # stale only what it wrote itself, as Prometheus does per rule
         ms = int(at * 1000)
         series: list[Series] = [({**dict(k), "__name__": name}, [(ms, v)])
                                 for k, v in outputs.items()]
         series += [({**dict(k), "__name__": name}, [(ms, STALE)])
-                   for k in self.previous.get(name, set()) - outputs.keys()]
-        self.previous[name] = set(outputs)
+                   for k in self.previous.get((name, rule_labels), set()) - outputs.keys()]
+        self.previous[(name, rule_labels)] = set(outputs)
         if series:
             push(self.client, f"{self.url}/api/v1/write", series)
             self.dirty.add(name)
