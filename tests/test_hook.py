@@ -429,7 +429,9 @@ def test_time_blocked_in_a_phase_is_not_taken_from_the_next_step(watched: tuple)
     handle = start(watched)
     train(watched[0], watched[1], 2)
     with handle.phase("checkpoint"):
-        handle.tracker.add_blocked(3.0)  # e.g. a barrier while another rank writes
+        begin = handle.tracker.timer.mark()  # e.g. a barrier while another rank writes
+        time.sleep(0.2)
+        handle.tracker.timer.blocked(begin)
     train(watched[0], watched[1], 1)
     durations = value(handle, "robust_step_duration_seconds_sum")
     computes = value(handle, "robust_step_compute_seconds_sum")

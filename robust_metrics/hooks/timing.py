@@ -217,8 +217,9 @@ class DdpProbe:
     it stops firing), which is when DDP launches its last bucket. `backward_end` fires from an
     autograd final callback queued behind DDP's own (DDP waits for its buckets in its callback),
     which is when backward returns. `on_launch()` is told when the watched gradient is ready
-    (DDP's reduction entered; not in the first backward, which finds that parameter) and
-    `on_window(ready, end)` of each closed window, neither under `no_sync()`.
+    (DDP's reduction entered; in the first backward, when every hooked gradient is ready, so
+    that ranks waiting in the first step's reduction are ahead of a rank that never got there)
+    and `on_window(ready, end)` of each closed window, neither under `no_sync()`.
     """
 
     def __init__(self, model: Any, timer: StepTimer,
@@ -264,7 +265,10 @@ class DdpProbe:
             try:
                 if self.watched is None:
                     self._order.append(index)
-                elif self._on_launch is not None and self._syncing():
+                    last = len(set(self._order)) == len(self._params)
+                else:
+                    last = True
+                if last and self._on_launch is not None and self._syncing():
                     self._on_launch()  # DDP launches its last bucket now: entered, not done
                 self._fired = True
                 self._timer.grad_ready()
