@@ -134,6 +134,11 @@ GLOBAL_STEP = _declare(
     "robust_global_step", G,
     "Training step counter including steps restored from a checkpoint.",
 )
+START_STEP = _declare(
+    "robust_start_step", G,
+    "Global step this rank process started from: 0, or the step it resumed from after a restart "
+    "(`start_step` or `set_step`). With robust_global_step it says how many steps a restart redid.",
+)
 STEP_DURATION = _declare(
     "robust_step_duration_seconds", S,
     "Wall time of an optimizer step, from the end of the previous one.", unit="seconds",

@@ -6,16 +6,20 @@ next rule and the next instant read them; alerts go pending and fire after their
 
 The engine is the only thing that differs, so what differs in the outputs is the query language.
 
-The data set (`scenario`) is one 8-rank run scraped every 15 s for 45 minutes:
+The data set (`scenario`) is one 8-rank run (4 DP ranks x 2 pipeline stages, one node per
+stage) scraped every 15 s for 45 minutes:
 
 | minutes | what happens |
 |---|---|
 | 0-20 | healthy: 1 step per second, compute 0.6 s, blocked in collectives 0.4 s |
 | 20- | rank 3 computes 0.9 s (a slow rank); the others wait for it, steps take 1.3 s |
 | 23 | rank 1 reports a NaN loss (one non-finite loss step; every rank a non-finite gradient step) |
+| 24 | rank 4's hook counts a loss spike; at 24.5 every rank counts a gradient-norm spike |
 | 30-33 | every rank in the `checkpoint` phase: no steps, nothing may fire |
 | 35 | GPU 2 of node 1 (rank 6) reports XID 79 |
-| 40- | rank 2 hangs outside a collective: the others wait in the next one, nobody steps |
+| 40- | rank 2 hangs outside a collective: the others wait in the next one, nobody steps; its |
+|     | process is stopped (state T) |
+| 43- | rank 7's process exits without a normal end (its exit time is published) |
 """
 
 from __future__ import annotations
@@ -37,8 +41,10 @@ RUN = "replay"
 RANKS = 8
 SCRAPE_S = 15
 MINUTES = 45
-SLOW_RANK, NAN_RANK, HUNG_RANK, XID_RANK = 3, 1, 2, 6
+SLOW_RANK, NAN_RANK, HUNG_RANK, XID_RANK, EXIT_RANK = 3, 1, 2, 6, 7
 SLOW_FROM, NAN_AT, CKPT, XID_AT, HANG_AT = 20 * 60, 23 * 60, (30 * 60, 33 * 60), 35 * 60, 40 * 60
+EXIT_AT = 43 * 60
+SPIKE_RANK, LOSS_SPIKE_AT, NORM_SPIKE_AT = 4, 24 * 60, 24 * 60 + 30
 
 
 @dataclass
@@ -84,7 +90,12 @@ def _rank_samples(rank: int, s: _Rank, t0: float, elapsed: float
     yield "robust_global_step", base, steps
     yield "robust_last_step_timestamp_seconds", base, s.last_step
     yield "robust_rank_step_age_seconds", base, t0 + elapsed - s.last_step
-    yield "robust_rank_process_alive", base, 1
+    exited = rank == EXIT_RANK and elapsed >= EXIT_AT
+    yield "robust_rank_process_alive", base, 0 if exited else 1
+    if rank == HUNG_RANK and elapsed > HANG_AT:  # present only while stopped, as the sidecar does
+        yield "robust_rank_process_stopped", base, 1
+    if exited:
+        yield "robust_rank_exit_timestamp_seconds", base, t0 + EXIT_AT
     for name, total in (("robust_step_duration_seconds", s.compute + s.blocked),
                         ("robust_step_compute_seconds", s.compute)):
         yield f"{name}_sum", base, total
@@ -104,11 +115,15 @@ def _rank_samples(rank: int, s: _Rank, t0: float, elapsed: float
     yield "robust_grad_norm", base, 1.0 + 0.05 * math.cos(elapsed / 45 + rank)
     yield "robust_nonfinite_loss_steps_total", base, float(rank == NAN_RANK and elapsed >= NAN_AT)
     yield "robust_nonfinite_grad_steps_total", base, float(elapsed >= NAN_AT)
+    if rank == SPIKE_RANK and elapsed >= LOSS_SPIKE_AT:  # spike counters appear at the first
+        yield "robust_loss_spikes_total", base, 1
+    if elapsed >= NORM_SPIKE_AT:
+        yield "robust_grad_norm_spikes_total", base, 1
     yield "robust_last_checkpoint_timestamp_seconds", base, t0 + (CKPT[1] if elapsed >= CKPT[1]
                                                                    else 0)
     info = {**base, "node": f"node{_node(rank)}", "local_rank": str(rank % 4),
-            "world_size": str(RANKS), "pid": str(1000 + rank), "dp_rank": str(rank),
-            "pp_rank": "0", "tp_rank": "0"}
+            "world_size": str(RANKS), "pid": str(1000 + rank), "dp_rank": str(rank % 4),
+            "pp_rank": str(rank // 4), "tp_rank": "0"}
     yield "robust_rank_info", info, 1
     gpu = {"node": f"node{_node(rank)}", "gpu": str(rank % 4), "uuid": f"GPU-{rank}"}
     yield "robust_rank_gpu_info", {**base, **gpu}, 1
@@ -212,8 +227,10 @@ class Replay:
             metric = {k: v for k, v in sample["metric"].items() if k != "__name__"}
             outputs[_key({**metric, **extra})] = float(sample["value"][1])
         if "record" in rule:
-            self._record(name, outputs, at)
-            trace.records[(at, name)] = outputs
+            # One name may be recorded by several rules with different static labels (the
+            # straggler verdict); each rule's own series go stale, not its siblings'.
+            self._record((name, _key(extra)), outputs, at)
+            trace.records.setdefault((at, name), {}).update(outputs)
             return
         firing = set()
         for key in outputs:
@@ -224,14 +241,14 @@ class Replay:
             del self.active_since[stale]
         trace.alerts[(at, name)] = firing
 
-    def _record(self, name: str, outputs: dict[tuple[tuple[str, str], ...], float],
-                at: float) -> None:
-        ms = int(at * 1000)
+    def _record(self, rule: tuple[str, tuple[tuple[str, str], ...]],
+                outputs: dict[tuple[tuple[str, str], ...], float], at: float) -> None:
+        name, ms = rule[0], int(at * 1000)
         series: list[Series] = [({**dict(k), "__name__": name}, [(ms, v)])
                                 for k, v in outputs.items()]
         series += [({**dict(k), "__name__": name}, [(ms, STALE)])
-                   for k in self.previous.get(name, set()) - outputs.keys()]
-        self.previous[name] = set(outputs)
+                   for k in self.previous.get(rule, set()) - outputs.keys()]
+        self.previous[rule] = set(outputs)
         if series:
             push(self.client, f"{self.url}/api/v1/write", series)
             self.dirty.add(name)

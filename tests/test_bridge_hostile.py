@@ -369,6 +369,7 @@ def test_discovered_sidecars_are_the_scrape_targets_of_their_job(start_bridge: A
                               extra_scrape_configs=jobs) as prom:
             wait_until(lambda: len(prom.api("targets", state="active")["activeTargets"]) == 3,
                        30, message="three scrape targets")
+            wait_until(lambda: evil.requests, 30, message="a scrape of the labelled server")
             client = start_bridge({
                 "prometheus": {"url": prom.url},
                 "sidecars": {"discovery_job": "sidecars", "token": "side-token"},

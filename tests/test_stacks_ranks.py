@@ -18,10 +18,12 @@ from collections.abc import Iterator
 from contextlib import redirect_stdout
 from pathlib import Path
 
+import httpx
 import pytest
 
 from robust_metrics import cli
 from robust_metrics.analysis.flight_recorder import analyse_paths
+from robust_metrics.bridge import actions as bridge_actions
 from robust_metrics.sidecar.stacks import find_py_spy
 from tests.prometheus_fixture import PrometheusServer
 from tests.support import ROOT, RankJob, SidecarProcess, free_port, wait_until
@@ -161,6 +163,15 @@ def test_through_the_sidecar_and_prometheus_with_one_sidecar_unreachable(
              "pp_rank": 0, "tp_rank": 1}]
         assert report["topology"] == local["topology"] != {}
         assert report["missing_ranks"] == local["missing_ranks"] == []
+        # and through the bridge, which analyses the same sidecar's /debug/stacks answer
+        dump = httpx.get(f"{sidecar.url}/debug/stacks", timeout=60,
+                         headers={"Authorization": f"Bearer {TOKEN}"}).json()
+        analysis, how = bridge_actions._analyse([dump])
+        assert how == "analysed" and analysis is not None
+        assert [{k: s[k] for k in coordinates} for s in analysis["suspects"]] == [
+            {k: s[k] for k in coordinates} for s in local["suspects"]]
+        assert analysis["suspects"][0]["node"] == "gpu-node-7"
+        assert analysis["topology"] == local["topology"]
         (error,) = report["errors"]
         assert error["source"] == f"http://{unreachable}/debug/stacks"
         assert "cannot reach" in error["error"]

@@ -84,8 +84,7 @@ def test_the_window_ends_after_ddp_waited_for_its_buckets(gloo: None) -> None:
     assert duration - compute >= 3 * 0.045, (duration, compute)
     assert compute < duration / 2
     # while a rank waits in DDP's reduction it shows entered = completed + 1 (RankHang's signal),
-    # in the first step too (which finds the parameter to watch): the peers of a rank that never
-    # reached its first step are ahead of it
+    # from the first step on (that step counts its entry at its first gradient)
     assert seen_while_waiting == [(1, 0), (2, 1), (3, 2)]
 
 

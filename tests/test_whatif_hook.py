@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from robust_metrics import optrace
 from robust_metrics.analysis.whatif import analyze, load_model
 from tests.support import RankJob
 
@@ -26,6 +27,7 @@ def test_trace_of_a_real_job_names_the_slow_rank(tmp_path):
     assert files == [f"trace-rank{r}.jsonl" for r in range(4)]
     rows = [json.loads(line) for line in (trace / "trace-rank0.jsonl").read_text().splitlines()]
     assert {r["step"] for r in rows} == set(range(0, 16, 2))  # every 2nd step, 1 step each
+    assert all(set(r) == set(optrace.COLUMNS) for r in rows)  # the format's columns, no more
     assert {r["optype"] for r in rows} >= {"forward-compute", "backward-compute",
                                            "grads-reduce-scatter", "optimizer", "gc"}
 

@@ -274,10 +274,11 @@ def _analyse(dumps: list[Any], rank_info: Any, min_share: float, hang_fraction: 
         if not isinstance(dump, Mapping):
             raise ValueError(f"dumps[{i}] is {type(dump).__name__}, not a dict")
         state = _rank_of(dump, info, by_pid, ranks)
-        if dump.get("error") or not dump.get("threads"):
+        problem = dump.get("error") or (_malformed_threads(dump.get("threads"))
+                                        if dump.get("threads") else "no Python threads in the dump")
+        if problem:
             error = {"rank": state.rank, "pid": state.pid, "node": state.node,
-                     "source": dump.get("source"),
-                     "error": str(dump.get("error") or "no Python threads in the dump")}
+                     "source": dump.get("source"), "error": str(problem)}
             seen = tuple(error.values())
             if seen not in seen_errors:  # the same failure in every sample is one error
                 seen_errors.add(seen)
@@ -344,6 +345,22 @@ def _rank_of(dump: Mapping[str, Any], info: dict[int, dict],
         state = ranks[key] = _Rank(key, rank, pid if pid is not None else entry.get("pid"), node,
                                    entry)
     return state
+
+
+def _malformed_threads(threads: Any) -> str | None:
+    """Why a dump's `threads` is not py-spy's shape, or None. A sidecar answer is data from
+    another machine: one malformed rank is that rank's error, not the end of the analysis."""
+    if not isinstance(threads, list):
+        return f"malformed dump: threads is {type(threads).__name__}, not a list"
+    for thread in threads:
+        if not isinstance(thread, Mapping):
+            return "malformed dump: a thread is not an object"
+        frames = thread.get("frames") or []
+        if not isinstance(frames, list) or not all(
+                isinstance(f, Mapping) and isinstance(f.get("function"), str | None)
+                and isinstance(f.get("file"), str | None) for f in frames):
+            return "malformed dump: a thread's frames are not [{function, file, line}]"
+    return None
 
 
 def _add_sample(state: _Rank, dump: Mapping[str, Any], frame: _FrameCache) -> None:

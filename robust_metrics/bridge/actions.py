@@ -37,6 +37,7 @@ from robust_metrics.bridge.sidecars import ACK_METRIC as SIGNAL_ACK
 from robust_metrics.bridge.sidecars import SidecarClient, SidecarError
 from robust_metrics.bridge.signing import signed_request
 from robust_metrics.bridge.store import Incident, Step
+from robust_metrics.rankfolder.identity import rank_info as identity_rank_info
 
 __all__ = ["Actions", "Interrupted", "Notifier", "Outcome", "StepContext"]
 
@@ -108,8 +109,9 @@ def _analyse(dumps: list[dict[str, Any]]) -> tuple[dict[str, Any] | None, str]:
         from robust_metrics.analysis.stacks import analyse  # type: ignore[import-not-found]
     except ImportError:
         return None, "stack aggregation not installed; raw dumps stored"
-    rank_info = [{"run": r.get("run"), "rank": r.get("rank"), "pid": r.get("pid"),
-                  "node": d.get("node")} for d in dumps for r in d.get("ranks", [])]
+    rank_info = identity_rank_info({**r, "node": r.get("node") or d.get("node")}
+                                   for d in dumps for r in d.get("ranks", [])
+                                   if isinstance(r, Mapping))
     try:
         result = analyse(dumps, rank_info)
     except Exception as exc:  # a bug in analysis must not lose the dumps

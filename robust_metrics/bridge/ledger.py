@@ -12,9 +12,9 @@ alert, the ranks and nodes it named (labels and the stack analysis' suspects), a
 - **recovered**: the run's first step after a restart, the smallest step timestamp newer than
   `acted` that Prometheus scraped (exact when a scrape falls between the first and the second
   step after the restart; otherwise late by less than one scrape interval);
-- **lost steps**: the highest step before the restart minus the step the run resumed from (the
-  lowest `robust_global_step` after the restart: the hook publishes the restored step at
-  `watch()`, before the first step).
+- **lost steps**: the highest step before the restart minus the step the run resumed from
+  (`robust_start_step` of the ranks that stepped after the restart: the hook publishes the
+  restored step at `watch()` or `set_step()`, so it does not matter which step a scrape catches).
 
 The parts that compute (`named`, `acted_at`, `outcome_of`, `progress_after`) are pure functions
 over the log and over query answers; `Ledger` reads Prometheus, writes the rows, updates the
@@ -51,6 +51,7 @@ Query = Callable[[str, float | None], list[dict[str, Any]]]
 REMEDIAL = ("restart", "drain_node")
 LAST_STEP = schema.LAST_STEP_TIMESTAMP.name
 GLOBAL_STEP = schema.GLOBAL_STEP.name
+START_STEP = schema.START_STEP.name
 
 _TABLE = """
 CREATE TABLE IF NOT EXISTS ledger (
@@ -179,8 +180,9 @@ def progress_after(acted: float, last_step: Iterable[tuple[float, float]],
     """The run's first step after `acted` and the step it resumed from.
 
     `last_step`: (time, newest step timestamp of any rank) points; `min_step`: (time, lowest
-    global step of any rank) points, both as Prometheus evaluated them. The resumed step is the
-    lowest global step seen after the action up to the first point that shows a new step.
+    start step of the ranks that stepped after the action) points, both as Prometheus evaluated
+    them. The resumed step is the lowest seen after the action up to the first point that shows
+    a new step.
     """
     first = next(((t, v) for t, v in sorted(last_step) if t > acted and v > acted), None)
     if first is None:
@@ -367,7 +369,11 @@ class Ledger:
         span = max(1.0, now - acted)
         sel = _sel(run)
         last = _points(self.query_at(f"max({LAST_STEP}{sel})[{span:.0f}s:1s]", now))
-        low = _points(self.query_at(f"min({GLOBAL_STEP}{sel})[{span:.0f}s:1s]", now))
+        # The ranks that stepped since the action (not the hung processes being replaced) say
+        # which step they resumed from, whichever of their steps a scrape caught first.
+        low = _points(self.query_at(
+            f"min({START_STEP}{sel} and on (run, rank) ({LAST_STEP}{sel} > {acted:.3f}))"
+            f"[{span:.0f}s:1s]", now))
         return progress_after(acted, last, low)
 
     # ------------------------------------------------------------------ storage

@@ -217,9 +217,9 @@ class DdpProbe:
     it stops firing), which is when DDP launches its last bucket. `backward_end` fires from an
     autograd final callback queued behind DDP's own (DDP waits for its buckets in its callback),
     which is when backward returns. `on_launch()` is told when the watched gradient is ready
-    (DDP's reduction entered; in the first backward, when every hooked gradient is ready, so
-    that ranks waiting in the first step's reduction are ahead of a rank that never got there)
-    and `on_window(ready, end)` of each closed window, neither under `no_sync()`.
+    (DDP's reduction entered; in the first backward, which finds that parameter, at its first
+    gradient) and
+    `on_window(ready, end)` of each closed window, neither under `no_sync()`.
     """
 
     def __init__(self, model: Any, timer: StepTimer,
@@ -264,6 +264,11 @@ class DdpProbe:
         def on_grad(param: Any) -> None:
             try:
                 if self.watched is None:
+                    if not self._order and self._on_launch is not None and self._syncing():
+                        # The backward that finds the last-ready parameter: the reduction is
+                        # entered with the first gradient, so that a rank waiting in the first
+                        # step's reduction is told from a rank that never reached it.
+                        self._on_launch()
                     self._order.append(index)
                     last = len(set(self._order)) == len(self._params)
                 else:

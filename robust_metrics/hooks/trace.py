@@ -2,7 +2,8 @@
 
 With `watch(..., trace_dir=DIR, trace_every=N, trace_steps=K)` every rank records K consecutive
 steps out of every N (steps whose number modulo N is below K; all ranks pick the same steps),
-one JSON line per op in the what-if schema, into `DIR/trace-rank<R>.jsonl`:
+one JSON line per op in the what-if format (`robust_metrics/optrace.py`), into
+`DIR/trace-rank<R>.jsonl`:
 
 - `forward-compute` per microbatch: the model's forward pre-hook to its forward hook;
 - `backward-compute` per microbatch: `Tensor.backward()`, ending when the last gradient DDP
@@ -36,6 +37,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from robust_metrics import optrace
 from robust_metrics.hooks.timing import HostClock, TimingSource
 
 __all__ = ["TraceRecorder", "span"]
@@ -58,7 +60,7 @@ class TraceRecorder:
         self.on_error = on_error
         self.current_step = current_step
         self.ddp_window = ddp_window
-        self.path = os.path.join(trace_dir, f"trace-rank{rank}.jsonl")
+        self.path = os.path.join(trace_dir, optrace.file_name(rank))
         os.makedirs(trace_dir, exist_ok=True)
         self._file: Any = None
         self._offset = time.time() - time.perf_counter()  # perf_counter -> wall clock
@@ -210,13 +212,9 @@ class TraceRecorder:
         for optype, began, ended, mb in sorted(ops, key=lambda o: (o[1], o[0])):
             k = seq.get(optype, 0)
             seq[optype] = k + 1
-            compute = optype.endswith("-compute")
-            lines.append(json.dumps({
-                "dp_rank": self.dp_rank, "stage": self.stage, "rank": self.rank,
-                "step": number, "optype": optype, "start_ts": began,
-                "duration": max(0.0, ended - began), "seq_id": k,
-                "mc": 0 if compute or optype == "grads-reduce-scatter" else -1,
-                "gmc": self.stage if compute else -1, "mb_id": mb if compute else -1}))
+            lines.append(json.dumps(optrace.record(
+                rank=self.rank, dp_rank=self.dp_rank, stage=self.stage, step=number,
+                optype=optype, start=began, end=ended, seq_id=k, microbatch=mb)))
         if self._file is None:
             self._file = open(self.path, "a")  # noqa: SIM115  closed by close()
         self._file.write("\n".join(lines) + "\n")

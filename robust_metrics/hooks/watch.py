@@ -106,6 +106,7 @@ class Watch:
         self._steps = st.series(s.STEPS_TOTAL)
         self._last_step_ts = st.series(s.LAST_STEP_TIMESTAMP)
         self._global_step = st.series(s.GLOBAL_STEP)
+        self._start_step = st.series(s.START_STEP)
         self._step_duration = st.series(s.STEP_DURATION)
         self._step_compute = st.series(s.STEP_COMPUTE)
         self._data_wait = st.series(s.DATA_WAIT)
@@ -120,6 +121,7 @@ class Watch:
         self._ckpt_failures = st.series(s.CHECKPOINT_FAILURES)
         self._phases = {p: st.series(s.PHASE, phase=p) for p in schema.PHASES}
         self._global_step.set(self.global_step)
+        self._start_step.set(self.global_step)
         self._set_phase("train")
         o = self.options
         info = {"local_rank": str(o.local_rank), "world_size": str(o.world_size), "node": o.node,
@@ -416,6 +418,7 @@ class Watch:
             raise ValueError(f"step={step!r}: must be an integer >= 0")
         self.global_step = step
         self._global_step.set(step)
+        self._start_step.set(step)
 
     def close(self) -> None:
         """Remove every hook and patch, publish the last values and that this rank finished

@@ -1,8 +1,8 @@
 """Reading traces: parquet, JSON lines, or a folder of JSON-lines files (one per rank).
 
-The columns are those of the what-if method (see docs/whatif.md). Problems are reported as
-`TraceError` with the file and column or row at fault, because a what-if result computed from a
-half-read trace is worse than none.
+The columns are those of the op trace format (`robust_metrics/optrace.py`, docs/whatif.md).
+Problems are reported as `TraceError` with the file and column or row at fault, because a
+what-if result computed from a half-read trace is worse than none.
 """
 
 from __future__ import annotations
@@ -14,15 +14,9 @@ import numpy as np
 import pandas as pd
 
 from robust_metrics.analysis.whatif import optypes as T
+from robust_metrics.optrace import COLUMNS
 
 __all__ = ["COLUMNS", "TraceError", "read_trace", "validate"]
-
-COLUMNS: dict[str, str] = {
-    "dp_rank": "int64", "stage": "int64", "rank": "int64", "step": "int64", "optype": "str",
-    "start_ts": "float64", "duration": "float64", "seq_id": "int64", "mc": "int64",
-    "gmc": "int64", "mb_id": "int64",
-}
-"""Required columns and the dtype each is converted to."""
 
 
 class TraceError(ValueError):
