@@ -188,7 +188,7 @@ class CollectiveTracker:
             return
         with self._lock:
             launched, self._ddp_launched = self._ddp_launched, False
-            if not launched:  # a first backward that left a parameter without a gradient
+            if not launched:  # the first backward, which found the parameter to watch
                 self.entered[group] = self.entered.get(group, 0) + 1
             stats = self.stats.get(("all_reduce", group))
             if stats is None:

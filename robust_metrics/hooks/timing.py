@@ -270,10 +270,7 @@ class DdpProbe:
                         # step's reduction is told from a rank that never reached it.
                         self._on_launch()
                     self._order.append(index)
-                    last = len(set(self._order)) == len(self._params)
-                else:
-                    last = True
-                if last and self._on_launch is not None and self._syncing():
+                elif self._on_launch is not None and self._syncing():
                     self._on_launch()  # DDP launches its last bucket now: entered, not done
                 self._fired = True
                 self._timer.grad_ready()
