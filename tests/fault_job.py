@@ -175,14 +175,14 @@ def main(argv: list[str] | None = None) -> None:
                 work = torch.tanh(work @ work)
             x = torch.randn(16, 32, generator=generator)
             loss = ddp(x).pow(2).mean() + 1.0
-            if args.loss_spike_step <= step < args.loss_spike_step + args.spike_steps:
+            if 0 <= args.loss_spike_step <= step < args.loss_spike_step + args.spike_steps:
                 if step == args.loss_spike_step:
                     fault("loss spike")
                 loss = loss * args.spike_factor
             if step == args.nan_step and rank == args.nan_loss_rank:
                 fault("nan loss")
                 loss = loss * float("nan")
-            spike = args.grad_spike_step <= step < args.grad_spike_step + args.spike_steps
+            spike = 0 <= args.grad_spike_step <= step < args.grad_spike_step + args.spike_steps
             if step == args.grad_spike_step:
                 fault("grad-norm spike")
             nan_grad = step == args.nan_step and rank == args.nan_grad_rank

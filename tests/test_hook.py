@@ -407,6 +407,17 @@ def test_spike_detector_warms_up_and_accepts_a_new_level() -> None:
     assert not detector.update(float("nan"))
 
 
+def test_large_first_values_do_not_hide_a_later_spike() -> None:
+    """Early training has large gradient norms; folded into the running variance they would
+    raise the bar above a 20x spike 150 steps later."""
+    from robust_metrics.hooks.numerics import SpikeDetector
+
+    detector = SpikeDetector(relative=0.5)
+    values = [4.0, 3.0, 3.5, 2.5] + [0.1, 0.2] * 73
+    assert not any(detector.update(v) for v in values)
+    assert detector.update(3.0)
+
+
 def test_close_marks_the_identity_finished_and_an_exception_does_not(
         watched: tuple, tmp_path: Path) -> None:  # type: ignore[type-arg]
     import json

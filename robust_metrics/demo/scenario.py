@@ -110,21 +110,23 @@ class Scenario:
                 if i.get("alertname") == alert and i.get("status") in ("done", "failed")]
 
     # -- the script ------------------------------------------------------------------------
-    def inject(self, fault: Fault) -> FaultRecord:
-        spec = dict(fault.spec)
-        step = self.global_step()
+    def _write_faults(self, spec: dict[str, Any]) -> None:
+        """Replace `faults.json` at once: a rank never reads it half-written."""
         path = self.stack.job_dir / "faults.json"
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(spec))
         tmp.replace(path)
+
+    def inject(self, fault: Fault) -> FaultRecord:
+        step = self.global_step()
+        self._write_faults(dict(fault.spec))
         record = FaultRecord(fault, time.time())
         self.records.append(record)
         self.say(f"injected: {fault.name} on rank {fault.rank} at step {step}")
         return record
 
     def clear(self) -> None:
-        path = self.stack.job_dir / "faults.json"
-        path.write_text("{}")
+        self._write_faults({})
 
     def detect(self, record: FaultRecord) -> None:
         fault = record.fault

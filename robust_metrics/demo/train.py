@@ -67,12 +67,11 @@ class Faults:
         except FileNotFoundError:
             return self.spec
         if mtime != self.mtime:
-            self.mtime = mtime
             with contextlib.suppress(ValueError):  # half-written: read again next step
                 spec = json.loads(self.path.read_text())
                 for key in [k for k in spec if k.endswith("_in_steps")]:
                     spec[key.removesuffix("_in_steps") + "_step"] = step + int(spec.pop(key))
-                self.spec = spec
+                self.spec, self.mtime = spec, mtime
         return self.spec
 
 

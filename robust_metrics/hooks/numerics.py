@@ -76,7 +76,11 @@ class SpikeDetector:
     every step. Each finite value is compared with an exponential moving mean and variance over about
     `window` steps: a spike exceeds `mean + sigmas x std + relative x |mean|`. Nothing counts during
     the first `warmup` values of the process (the early loss falls fast, and a restarted process
-    starts afresh). Spikes are kept out of the statistics so that a spike of a few steps does not
+    starts afresh), and the statistics start over halfway through it: the first steps' large values
+    would otherwise inflate the variance, and hide spikes, for several windows (their weight decays
+    by only (1 - 2 / (window + 1)) a step). Until they hold `window / 2` values the statistics are
+    plain means, so the bar is right from the end of the warmup. Spikes are kept out of the
+    statistics so that a spike of a few steps does not
     raise its own bar; after `accept_after` spikes in a row the new level is accepted (statistics
     restart, with a new warmup). Constant work per step: a few float operations.
     """
@@ -90,6 +94,7 @@ class SpikeDetector:
 
     def _reset(self) -> None:
         self.seen = 0
+        self.folded = 0  # values in the statistics since they (re)started
         self.mean = 0.0
         self.var = 0.0
         self.in_a_row = 0
@@ -106,12 +111,16 @@ class SpikeDetector:
                     self._reset()
                 return True
         self.in_a_row = 0
-        if self.seen == 0:
-            self.mean = value
+        if self.seen == self.warmup // 2:
+            self.folded = 0  # the first half of the warmup stays out of the statistics
+        self.folded += 1
+        if self.folded == 1:
+            self.mean, self.var = value, 0.0
         else:
+            alpha = max(self.alpha, 1.0 / self.folded)  # 1/n: the plain mean and variance
             delta = value - self.mean
-            self.mean += self.alpha * delta
-            self.var = (1.0 - self.alpha) * (self.var + self.alpha * delta * delta)
+            self.mean += alpha * delta
+            self.var = (1.0 - alpha) * (self.var + alpha * delta * delta)
         self.seen += 1
         return False
 
