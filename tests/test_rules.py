@@ -296,7 +296,7 @@ def test_the_package_finds_its_rules() -> None:
     assert rules.RULES_DIR.is_dir()
     assert {p.name for p in rules.rule_files()} == {
         "training.yml", "stragglers.yml", "attribution.yml", "numerics.yml", "gpu.yml", "nic.yml",
-        "exporter.yml"}
+        "nodes.yml", "exporter.yml"}
 
 
 # -- Alertmanager routing example -------------------------------------------------------------
