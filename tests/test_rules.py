@@ -158,7 +158,7 @@ def test_the_issue_alerts_all_exist() -> None:
               "GradNormSpike", "NonFiniteLoss", "NonFiniteGradients", "ThroughputDrop",
               "GPUXidCritical", "GPUEccUncorrectable", "GPURowRemapFailure", "GPUThermalThrottle",
               "GPULost", "NICLinkDown", "NICFlapping", "SidecarDown", "CheckpointStale", "RankExited",
-              "LossRise", "GradNormRise"}
+              "LossRise", "GradNormRise", "SuspectNode"}
     assert {a["alert"] for a in ALERTS} == wanted
 
 
@@ -296,7 +296,7 @@ def test_the_package_finds_its_rules() -> None:
     assert rules.RULES_DIR.is_dir()
     assert {p.name for p in rules.rule_files()} == {
         "training.yml", "stragglers.yml", "attribution.yml", "numerics.yml", "gpu.yml", "nic.yml",
-        "nodes.yml", "exporter.yml"}
+        "nodes.yml", "badput.yml", "exporter.yml"}
 
 
 # -- Alertmanager routing example -------------------------------------------------------------
