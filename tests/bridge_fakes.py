@@ -255,11 +255,12 @@ def bridge_process(config_path: Path, port: int, token: str,
 
 
 @contextlib.contextmanager
-def serve_app(app: Any) -> Iterator[httpx.Client]:
-    """Serve an ASGI app with uvicorn on a free loopback port in this process; yields a client."""
+def serve_app(app: Any, port: int | None = None) -> Iterator[httpx.Client]:
+    """Serve an ASGI app with uvicorn on a loopback port (`port`, else a free one) in this
+    process; yields a client."""
     import uvicorn
 
-    port = free_port()
+    port = port or free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
                                            lifespan="on"))
     thread = threading.Thread(target=server.run, daemon=True)

@@ -20,7 +20,7 @@ from robust_metrics.bridge.schedulers.local import LocalScheduler
 from robust_metrics.bridge.service import Bridge
 from tests.bridge_fakes import Receiver, serve_app
 from tests.prometheus_fixture import PrometheusServer
-from tests.support import EXAMPLE, SidecarProcess
+from tests.support import EXAMPLE, SidecarProcess, free_port
 
 TOKEN = "incident-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -48,14 +48,20 @@ class Parts:
 
 @contextlib.contextmanager
 def incident_parts(tmp: Path, job_args: Sequence[str], rules: list[dict[str, Any]],
-                   incidents: dict[str, Any], scrape: str = "500ms") -> Iterator[Parts]:
+                   incidents: dict[str, Any], scrape: str = "500ms",
+                   rule_files: Sequence[Path] = ()) -> Iterator[Parts]:
+    """The parts; Prometheus also scrapes the bridge's /metrics and evaluates `rule_files`."""
     metrics_dir = tmp / "metrics"
     state = tmp / "local-scheduler"
+    bridge_port = free_port()
     with SidecarProcess(metrics_dir, ["--node", "n1", "--no-collector.nvml",
                                       "--no-collector.nic", "--no-collector.nccl"],
                         log_path=tmp / "sidecar.log") as sidecar, \
             PrometheusServer(tmp / "prom", [sidecar.url.removeprefix("http://")],
-                             scrape_interval=scrape, evaluation_interval=scrape) as prom, \
+                             scrape_interval=scrape, evaluation_interval=scrape,
+                             rule_files=rule_files, extra_scrape_configs=[{
+                                 "job_name": "bridge", "static_configs": [
+                                     {"targets": [f"127.0.0.1:{bridge_port}"]}]}]) as prom, \
             Receiver(secret="notify-secret") as receiver:
         raw = {
             "database": "bridge.db", "auth": {"bearer_token": TOKEN},
@@ -72,7 +78,7 @@ def incident_parts(tmp: Path, job_args: Sequence[str], rules: list[dict[str, Any
         bridge = Bridge(parse(raw, tmp))
         local = bridge.schedulers["local"]
         assert isinstance(local, LocalScheduler)
-        with serve_app(create_app(bridge)) as client:
+        with serve_app(create_app(bridge), port=bridge_port) as client:
             try:
                 yield Parts(client, bridge, local, prom, receiver, state / f"{RUN}.log")
             finally:

@@ -2,7 +2,9 @@
 whose rank 1 hangs at step 5; the hang alert reaches the bridge, which restarts the job through
 the `local` scheduler; the job resumes from the checkpoint of step 3. The ledger, read from the
 bridge's API and metrics, shows when the fault happened (the last step, from Prometheus), when
-the bridge heard of it, acted and saw the first step again, and exactly 2 lost steps."""
+the bridge heard of it, acted and saw the first step again, and exactly 2 lost steps. The same
+Prometheus evaluates the badput rules: hang, restart, recomputed and productive time add up to
+the wall time within two evaluation intervals (1 s)."""
 
 from __future__ import annotations
 
@@ -14,8 +16,9 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from robust_metrics.rules import RULES_DIR
 from tests.bridge_fakes import alert, webhook
-from tests.incident_parts import AUTH, RUN, incident_parts
+from tests.incident_parts import AUTH, RUN, Parts, incident_parts
 from tests.support import wait_until
 
 pytestmark = pytest.mark.integration
@@ -33,7 +36,8 @@ def test_hang_restart_resume_enters_detect_act_recover_and_lost_steps(tmp_path: 
     job = ["--steps=100000", "--step-sleep=1.0", "--hang-rank=1", "--hang-step=5",
            f"--checkpoint-dir={tmp_path / 'ckpt'}", "--checkpoint-every=3"]
     rules = [{"name": "hang", "match": {"alertname": "TrainingHang"}, "actions": ["restart"]}]
-    with incident_parts(tmp_path, job, rules, {}) as parts:
+    rule_files = [RULES_DIR / "training.yml", RULES_DIR / "badput.yml"]
+    with incident_parts(tmp_path, job, rules, {}, rule_files=rule_files) as parts:
         parts.local.start(RUN)
         sel = f'{{run="{RUN}"}}'
         wait_until(lambda: parts.scalar(f"max(robust_global_step{sel})") == 5, 120, 0.5,
@@ -52,6 +56,7 @@ def test_hang_restart_resume_enters_detect_act_recover_and_lost_steps(tmp_path: 
 
         entry = wait_until(entered, 150, 0.5, message="the ledger to enter the incident\n"
                            + parts.job_log.read_text()[-3000:])
+        _check_badput(parts)
         resumed = re.findall(r"rank 0: resumed from step (\d+)", parts.job_log.read_text())
         assert resumed == ["3"]
         assert entry["outcome"] == "recovered" and entry["alertname"] == "TrainingHang"
@@ -75,3 +80,23 @@ def test_hang_restart_resume_enters_detect_act_recover_and_lost_steps(tmp_path: 
         assert parts.client.get("/api/v1/incidents").status_code == 401
         bad = parts.client.get("/api/v1/incidents", headers=AUTH, params={"limit": "0"})
         assert bad.status_code == 400 and "limit" in bad.json()["error"]
+
+
+def _check_badput(parts: Parts) -> None:
+    """The badput causes of the run add up to its wall time, and the fault shows in them."""
+    sel = f'{{run="{RUN}"}}'
+    # the job redoes steps 4 and 5 (and hangs at 5 again, as the fault job does each launch)
+    wait_until(lambda: (parts.scalar(f"max(robust_global_step{sel})") or 0) >= 5, 60, 0.5,
+               message="the job to redo its lost steps\n" + parts.prom.logs())
+    time.sleep(2)
+    result = parts.prom.query(f"run:robust_badput_seconds:total{sel}")
+    causes = {r["metric"]["cause"]: float(r["value"][1]) for r in result}
+    wall = parts.scalar(f"time() - run:robust_run_start_timestamp_seconds:min{sel}")
+    assert wall is not None and wall > 0
+    print("badput: " + ", ".join(f"{c} {v:.1f}s" for c, v in sorted(causes.items()))
+          + f"; sum {sum(causes.values()):.1f}s, wall {wall:.1f}s")
+    # the totals are as of the badput group's last evaluation and the start is the ETTR
+    # group's first: each may be one evaluation interval (0.5 s) off the instant of the query
+    assert sum(causes.values()) == pytest.approx(wall, abs=1.0)
+    for cause in ("productive", "hang", "restart", "recomputed"):
+        assert causes.get(cause, 0) > 0, causes

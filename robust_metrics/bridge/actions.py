@@ -26,7 +26,7 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +34,7 @@ import httpx
 
 from robust_metrics.bridge.config import BridgeConfig, NotifyConfig
 from robust_metrics.bridge.metrics import BridgeMetrics
+from robust_metrics.bridge.policy import eviction_nodes
 from robust_metrics.bridge.schedulers.base import ActionResult, Scheduler, SchedulerError
 from robust_metrics.bridge.sidecars import ACK_METRIC as SIGNAL_ACK
 from robust_metrics.bridge.sidecars import SidecarClient, SidecarError
@@ -58,6 +59,7 @@ class StepContext:
     save: Callable[[Mapping[str, Any]], None]
     data: dict[str, Any] = field(default_factory=dict)
     resumed: bool = False
+    earlier: Sequence[Step] = ()  # the incident's steps before this one, as recorded
 
     @property
     def key(self) -> str:
@@ -374,6 +376,8 @@ class Actions:
                         "highest_step": ctx.spec.get("highest_step")})
 
     def _drain_node(self, ctx: StepContext) -> Outcome:
+        if ctx.spec.get("over_evict"):
+            return self._over_evict(ctx)
         name, scheduler = self._scheduler(ctx)
         node = ctx.incident.labels.get("node")
         if not node:
@@ -383,6 +387,39 @@ class Actions:
         result = scheduler.drain_node(node, self._reason(ctx), key=ctx.key)
         return Outcome("success" if result.ok else "failed", result.detail,
                        {"scheduler": name, "node": node, **result.data})
+
+    def _over_evict(self, ctx: StepContext) -> Outcome:
+        """Drain every node that holds a suspect of the latest stack analysis of the incident;
+        `evicted_nodes` in the step's data is how many nodes that took."""
+        name, scheduler = self._scheduler(ctx)
+        analyses = [s.data.get("analysis") for s in ctx.earlier
+                    if s.action == "dump_stacks" and s.data.get("analysis")]
+        suspects = [s for s in ((analyses[-1] or {}).get("suspects") or []) if
+                    isinstance(s, Mapping) and "rank" in s] if analyses else []
+        if not suspects:
+            return Outcome("failed", "over-eviction: the stack analysis named no suspect rank; "
+                           "nothing drained")
+        nodes, unplaced = eviction_nodes(suspects)
+        data: dict[str, Any] = {"scheduler": name, "nodes": nodes, "suspects": len(suspects),
+                                "evicted_nodes": len(nodes), "unplaced": unplaced}
+        if not nodes:
+            return Outcome("failed", "over-eviction: no node known for suspect ranks "
+                           f"{', '.join(unplaced)}; nothing drained", data)
+        what = (f"{len(nodes)} node(s) ({', '.join(nodes)}) for {len(suspects)} suspect "
+                f"rank(s)")
+        if ctx.dry_run:
+            return Outcome("dry_run", f"would drain {what} through scheduler {name}", data)
+        failed = {}
+        for node in nodes:
+            result = scheduler.drain_node(node, self._reason(ctx), key=f"{ctx.key}:{node}")
+            if not result.ok:
+                failed[node] = result.detail
+        data["errors"] = failed
+        missing = f"; no node for ranks {', '.join(unplaced)}" if unplaced else ""
+        if failed:
+            return Outcome("failed", f"over-eviction of {what}: drain failed on "
+                           f"{', '.join(sorted(failed))}{missing}", data)
+        return Outcome("success", f"over-eviction: drained {what}{missing}", data)
 
     def _notify(self, ctx: StepContext) -> Outcome:
         i = ctx.incident

@@ -158,8 +158,9 @@ class Engine:
         def save(data: Mapping[str, Any]) -> None:
             self.store.save_step_data(incident.id, idx, data)
 
+        earlier = [s for s in self.store.steps(incident.id) if s.idx < idx]
         ctx = StepContext(incident, idx, dict(spec), save, dict(step.data) if step else {},
-                          resumed)
+                          resumed, earlier)
         outcome = self.actions.run(ctx)
         return outcome, time.monotonic() - t0
 

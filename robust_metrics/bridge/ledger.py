@@ -12,6 +12,7 @@ alert, the ranks and nodes it named (labels and the stack analysis' suspects), a
 - **recovered**: the run's first step after a restart, the smallest step timestamp newer than
   `acted` that Prometheus scraped (exact when a scrape falls between the first and the second
   step after the restart; otherwise late by less than one scrape interval);
+- **over-eviction**: the note says how many nodes a drain of every suspect's node took;
 - **lost steps**: the highest step before the restart minus the step the run resumed from
   (`robust_start_step` of the ranks that stepped after the restart: the hook publishes the
   restored step at `watch()` or `set_step()`, so it does not matter which step a scrape catches).
@@ -43,7 +44,7 @@ from robust_metrics.bridge.policy import is_hang
 from robust_metrics.bridge.store import ActionStore, Incident, Step
 
 __all__ = ["Entry", "Ledger", "LedgerMetrics", "Progress", "acted_at", "highest_step", "named",
-           "outcome_of", "progress_after"]
+           "outcome_of", "over_eviction_note", "progress_after"]
 
 log = logging.getLogger(__name__)
 
@@ -159,6 +160,15 @@ def acted_at(steps: Sequence[Step]) -> float | None:
         return max(remedial)
     finished = [s.finished for s in steps if s.finished is not None]
     return max(finished) if finished else None
+
+
+def over_eviction_note(steps: Sequence[Step]) -> str:
+    """How many nodes an over-eviction drained, for how many suspect ranks ('' if none)."""
+    for step in steps:
+        if step.action == "drain_node" and "evicted_nodes" in step.data:
+            return (f"over-eviction: {step.data['evicted_nodes']} node(s) for "
+                    f"{step.data.get('suspects')} suspect rank(s), {step.status}")
+    return ""
 
 
 def outcome_of(incident: Incident, steps: Sequence[Step]) -> str:
@@ -317,6 +327,7 @@ class Ledger:
         outcome = outcome_of(incident, steps)
         acted = acted_at(steps)
         fault, note = self._fault(incident)
+        note = "; ".join(n for n in (note, over_eviction_note(steps)) if n)
         base = Entry(incident.id, incident.run, incident.alertname, ranks, nodes, fault,
                      incident.received, acted, None, None, None, None, outcome, note)
         if outcome != "restart" or acted is None:

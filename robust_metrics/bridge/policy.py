@@ -8,7 +8,10 @@ what the action log says about the alert's run, with no HTTP, SQL or clock insid
    none: `ignore`.
 2. **plan**: the rule's chain with defaults filled in. `restart` with `checkpoint_first` gets a
    checkpoint step before it, unless the alert says the job is hung (a hung rank cannot write a
-   checkpoint, so asking would only add the checkpoint timeout to the outage).
+   checkpoint, so asking would only add the checkpoint timeout to the outage). With
+   `incidents.over_eviction`, a `drain_node` of a hung run without a `node` label drains the
+   nodes of the stack analysis' suspects (`eviction_nodes`): it is marked `over_evict` and gets
+   a `dump_stacks` step before it when the chain has none.
 3. **guard**: the instance acts only once it has fired for the rule's `for` (startsAt + for_s):
    before that, `wait` (a resolution that arrives meanwhile cancels it).
 4. **cooldown**: when the same rule started acting on the same run within `cooldown_s`: `skip`.
@@ -34,7 +37,7 @@ from robust_metrics.bridge.config import ActionSpec, BridgeConfig, Rule
 from robust_metrics.bridge.payload import parse_time
 
 __all__ = ["AlertFacts", "Decision", "History", "build_plan", "crash_loop", "decide",
-           "history_horizon_s",
+           "eviction_nodes", "history_horizon_s",
            "is_hang", "match_rule", "not_before", "parse_time"]
 
 Verdict = Literal["ignore", "wait", "skip", "run"]
@@ -103,10 +106,47 @@ def build_plan(config: BridgeConfig, rule: Rule, labels: Mapping[str, str]) -> l
                 options={"timeout_s": options.get("checkpoint_timeout_s", 120.0),
                          "at_step": None, "before_restart": True}).to_dict())
         plan.append(ActionSpec(spec.type, spec.continue_on_error, options).to_dict())
+    if config.incidents.over_eviction and hung and not labels.get("node"):
+        plan = _over_evict(plan)
     dry = config.dry_run or rule.dry_run
     for step in plan:
         step["dry_run"] = dry
     return plan
+
+
+def _over_evict(plan: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Drain steps take their nodes from the suspects of a stack dump taken before them."""
+    out: list[dict[str, Any]] = []
+    dumped = False
+    for step in plan:
+        if step["type"] == "dump_stacks":
+            dumped = True
+        if step["type"] == "drain_node":
+            if not dumped:
+                out.append(ActionSpec("dump_stacks").to_dict())
+                dumped = True
+            step = {**step, "over_evict": True}
+        out.append(step)
+    return out
+
+
+def eviction_nodes(suspects: Sequence[Mapping[str, Any]]) -> tuple[list[str], list[str]]:
+    """The smallest set of nodes that holds every suspect rank, and the suspects no node is
+    known for.
+
+    A hang that cannot be pinned on one rank names several (a pipeline group waiting on each
+    other, say); draining only one of their nodes would leave the culprit in the job half the
+    time. Each rank runs on exactly one node, so the smallest cover is the set of their nodes.
+    """
+    nodes: set[str] = set()
+    unplaced: list[str] = []
+    for suspect in suspects:
+        node = suspect.get("node")
+        if node:
+            nodes.add(str(node))
+        else:
+            unplaced.append(str(suspect.get("rank", "?")))
+    return sorted(nodes), unplaced
 
 
 def history_horizon_s(config: BridgeConfig) -> float:

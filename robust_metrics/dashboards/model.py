@@ -27,6 +27,7 @@ class Needs(enum.StrEnum):
     NIC = "nic"  # the sidecar reads InfiniBand/RoCE ports or network devices
     BRIDGE = "bridge"  # the action bridge is scraped and has acted
     HANG = "hang"  # fault: the bridge named a hang suspect
+    INCIDENT = "incident"  # the bridge's ledger has entered an incident that named a node
 
 
 @dataclass(frozen=True)

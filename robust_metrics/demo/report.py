@@ -14,7 +14,8 @@ from robust_metrics.demo.stack import RUN, DemoStack
 from robust_metrics.processes import ServiceError
 from robust_metrics.tables import render_table
 
-__all__ = ["QUERY_ERRORS", "Report", "alerts_fired", "ettr", "summary_table", "write_report"]
+__all__ = ["BADPUT_CAUSES", "QUERY_ERRORS", "Report", "alerts_fired", "badput", "ettr",
+           "ledger_table", "plot_badput", "summary_table", "write_report"]
 
 # What a failed query raises: Prometheus refused it or could not be reached (ServiceError), or
 # answered something that is not a query result.
@@ -47,6 +48,73 @@ def summary_table(records: list[FaultRecord]) -> str:
              f"{r.fault.alert} rank={r.alert_rank or '-'}", ", ".join(r.actions) or "-",
              r.result] for r in records]
     return render_table(SUMMARY_HEADER, rows)
+
+
+LEDGER_HEADER = ("incident", "alert", "outcome", "detect", "act", "recover", "lost steps",
+                 "nodes")
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f} s"
+
+
+def ledger_table(entries: list[dict[str, Any]]) -> str:
+    """The bridge's incident ledger (GET /api/v1/incidents), oldest first: per fault the time
+    to detect, act and recover, and the steps lost."""
+    rows = [[str(e.get("incident_id", "-")), str(e.get("alertname", "-")),
+             str(e.get("outcome", "-")), _seconds(e.get("detect_s")), _seconds(e.get("act_s")),
+             _seconds(e.get("recover_s")),
+             "-" if e.get("lost_steps") is None else str(e["lost_steps"]),
+             ", ".join(e.get("nodes") or []) or "-"]
+            for e in sorted(entries, key=lambda e: e.get("incident_id", 0))]
+    return render_table(LEDGER_HEADER, rows)
+
+
+BADPUT_CAUSES = ("productive", "hang", "restart", "recomputed", "checkpoint", "evaluation",
+                 "unexplained")
+"""The causes of alert_rules/badput.yml, productive first."""
+
+
+def badput(stack: DemoStack, errors: list[str]) -> dict[str, float] | None:
+    """Seconds per cause of the run's wall time (run:robust_badput_seconds:total)."""
+    expr = f'run:robust_badput_seconds:total{{run="{RUN}"}}'
+    try:
+        result = stack.query(expr)
+    except QUERY_ERRORS as exc:
+        errors.append(f"query {expr} failed: {exc}")
+        return None
+    parts = {r["metric"].get("cause", ""): float(r["value"][1]) for r in result}
+    return {c: parts.get(c, 0.0) for c in BADPUT_CAUSES} if parts else None
+
+
+def plot_badput(parts: dict[str, float], path: Path) -> None:
+    """One horizontal bar of the wall time, split into its causes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    wall = sum(parts.values())
+    colours = {"productive": "tab:green", "hang": "tab:red", "restart": "tab:orange",
+               "recomputed": "tab:purple", "checkpoint": "tab:blue", "evaluation": "tab:cyan",
+               "unexplained": "tab:gray"}
+    fig, ax = plt.subplots(figsize=(10, 2.2))
+    left = 0.0
+    for cause in BADPUT_CAUSES:
+        width = parts.get(cause, 0.0)
+        if width <= 0:
+            continue
+        share = width / wall if wall else 0.0
+        ax.barh(0, width, left=left, color=colours[cause],
+                label=f"{cause} {width:.0f} s ({100 * share:.1f}%)")
+        left += width
+    ax.set_yticks([])
+    ax.set_xlabel("seconds of wall time")
+    ax.set_title(f"Where the wall time went ({wall:.0f} s)")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.45), ncol=4, fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def _scalar(stack: DemoStack, expr: str, errors: list[str]) -> float | None:
@@ -194,6 +262,13 @@ def write_report(stack: DemoStack, records: list[FaultRecord], started: float, e
         errors.append(f"the query for the alerts that fired failed: {exc}")
         fired = None
     incidents = _incidents(stack, errors)
+    ledger = _ledger(stack, errors)
+    parts = badput(stack, errors)
+    if parts:
+        try:
+            plot_badput(parts, out / "badput.png")
+        except Exception as exc:
+            log.warning("plot badput.png failed: %s", exc)
     summary = summary_table(records)
     document = {
         "faults": [{"fault": r.fault.name, "rank": r.fault.rank, "alert": r.fault.alert,
@@ -201,7 +276,8 @@ def write_report(stack: DemoStack, records: list[FaultRecord], started: float, e
                     "detected_at": r.detected_at, "latency_s": r.latency, "actions": r.actions,
                     "result": r.result} for r in records],
         "ettr": ettr_values, "resumed_from_step": resumed_from, "whatif": whatif,
-        "alerts_fired": fired, "incidents": incidents, "errors": errors,
+        "alerts_fired": fired, "incidents": incidents, "ledger": ledger, "badput": parts,
+        "errors": errors,
         "started": started, "ended": ended,
     }
     (out / "report.json").write_text(json.dumps(document, indent=2, default=str))
@@ -217,6 +293,14 @@ def write_report(stack: DemoStack, records: list[FaultRecord], started: float, e
         lines += [f"What-if analysis of the sampled steps: slowdown S = {whatif['slowdown']:.3f} "
                   f"(mean step {whatif['t_original']:.3f} s, ideal {whatif['t_ideal']:.3f} s). "
                   "![what-if heatmap](whatif-heatmap.png)", ""]
+    if ledger:
+        lines += ["## Incident ledger", "", "From the bridge's `GET /api/v1/incidents`: per fault "
+                  "the time to detect (from the fault), to act and to recover (the first step "
+                  "after the action), and the steps redone.", "", "```", ledger_table(ledger),
+                  "```", ""]
+    if parts:
+        lines += ["## Badput", "", "Wall time by cause (`run:robust_badput_seconds:total`).",
+                  "", "![badput](badput.png)", ""]
     if errors:
         lines += ["## Errors", "", "This report is incomplete:", "",
                   *[f"- {e}" for e in errors], ""]
@@ -232,6 +316,14 @@ def _incidents(stack: DemoStack, errors: list[str]) -> list[dict[str, Any]] | No
         return stack.actions()
     except QUERY_ERRORS as exc:
         errors.append(f"could not read the bridge's actions: {exc}")
+        return None
+
+
+def _ledger(stack: DemoStack, errors: list[str]) -> list[dict[str, Any]] | None:
+    try:
+        return stack.incidents()
+    except QUERY_ERRORS as exc:
+        errors.append(f"could not read the bridge's incident ledger: {exc}")
         return None
 
 

@@ -193,8 +193,15 @@ class DemoStack:
         return self.prometheus
 
     def actions(self) -> list[dict[str, Any]]:
-        request = urllib.request.Request(f"{self.url['bridge']}/api/v1/actions?run={RUN}")
+        return self._bridge_list("actions")
+
+    def incidents(self) -> list[dict[str, Any]]:
+        """The bridge's incident ledger of the run (newest first)."""
+        return self._bridge_list("incidents")
+
+    def _bridge_list(self, what: str) -> list[dict[str, Any]]:
+        request = urllib.request.Request(f"{self.url['bridge']}/api/v1/{what}?run={RUN}")
         request.add_header("Authorization", f"Bearer {self.token}")
         with urllib.request.urlopen(request, timeout=5) as response:
             body = json.load(response)
-        return list(body.get("actions", body) if isinstance(body, dict) else body)
+        return list(body.get(what, body) if isinstance(body, dict) else body)

@@ -46,7 +46,9 @@ FAULTS = {Needs.NONFINITE, Needs.ALERT, Needs.GPU_FAULT}
 # Panels that need what this stack does not produce: stacks of a hung run aggregated by the
 # bridge (not in dry-run mode), and a hook that raised inside a training loop.
 NOT_PROVEN_HERE = {Needs.HANG: "the bridge must have aggregated the stacks of a hung run",
-                   Needs.HOOK_ERROR: "the hook must have caught an exception in training"}
+                   Needs.HOOK_ERROR: "the hook must have caught an exception in training",
+                   Needs.INCIDENT: "the bridge's ledger must have entered a finished incident "
+                                   "(tests/test_suspect_node_e2e.py scrapes its node score)"}
 
 LAUNCHER = """\
 import sys, threading
