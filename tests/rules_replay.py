@@ -20,6 +20,7 @@ stage) scraped every 15 s for 45 minutes:
 | 40- | rank 2 hangs outside a collective: the others wait in the next one, nobody steps; its |
 |     | process is stopped (state T) |
 | 43- | rank 7's process exits without a normal end (its exit time is published) |
+| 44 | the bridge restarts the run (`robust_bridge_actions_total{action="restart"}`) |
 """
 
 from __future__ import annotations
@@ -43,8 +44,9 @@ SCRAPE_S = 15
 MINUTES = 45
 SLOW_RANK, NAN_RANK, HUNG_RANK, XID_RANK, EXIT_RANK = 3, 1, 2, 6, 7
 SLOW_FROM, NAN_AT, CKPT, XID_AT, HANG_AT = 20 * 60, 23 * 60, (30 * 60, 33 * 60), 35 * 60, 40 * 60
-EXIT_AT = 43 * 60
+EXIT_AT, RESTART_AT = 43 * 60, 44 * 60
 SPIKE_RANK, LOSS_SPIKE_AT, NORM_SPIKE_AT = 4, 24 * 60, 24 * 60 + 30
+FLOPS_PER_STEP, PEAK_FLOPS = 4e14, 989e12  # every rank counts model FLOPs; H100 bf16 dense peak
 
 
 @dataclass
@@ -127,6 +129,8 @@ def _rank_samples(rank: int, s: _Rank, t0: float, elapsed: float
     yield "robust_rank_info", info, 1
     gpu = {"node": f"node{_node(rank)}", "gpu": str(rank % 4), "uuid": f"GPU-{rank}"}
     yield "robust_rank_gpu_info", {**base, **gpu}, 1
+    yield "robust_model_flops_total", base, steps * FLOPS_PER_STEP
+    yield "robust_gpu_peak_flops", {"node": gpu["node"], "gpu": gpu["gpu"]}, PEAK_FLOPS
     yield "robust_gpu_info", {**gpu, "name": "H100"}, 1
     yield "robust_gpu_lost", {"node": gpu["node"], "gpu": gpu["gpu"]}, 0
     xid = {"node": gpu["node"], "gpu": gpu["gpu"], "xid": "79"}
@@ -148,6 +152,11 @@ def scenario(t0: float) -> list[Series]:
             for name, labels, value in _rank_samples(rank, s, t0, elapsed):
                 key = tuple(sorted({"__name__": name, **target, **labels}.items()))
                 series.setdefault(key, []).append((ms, value))
+        # the bridge restarts the run once its rank 7 has exited
+        bridge = {"job": "robust-bridge", "instance": "bridge", "run": RUN, "action": "restart",
+                  "result": "success", "__name__": "robust_bridge_actions_total"}
+        key = tuple(sorted(bridge.items()))
+        series.setdefault(key, []).append((ms, float(elapsed >= RESTART_AT)))
         for n in range(RANKS // 4):
             target = {"job": "robust-metrics-sidecar", "instance": f"node{n}"}
             for name, extra in (("up", {}), ("robust_sidecar_collector_success",
