@@ -251,9 +251,14 @@ def test_mfu_is_the_counted_flops_over_the_fake_gpus_peak(stack: Stack) -> None:
     peaks = stack.query(f'run_rank:robust_gpu_peak_flops:max{{run="{RUN}"}}')
     assert sorted((s["metric"]["rank"], float(s["value"][1])) for s in peaks) == [
         ("0", 989e12), ("1", 989e12)], peaks
+    # Both at the instant the rule last evaluated: the rate of a series younger than its window
+    # grows with its age, so a second apart they differ by more than the tolerance.
+    stamp = stack.query(f'timestamp(run:robust_mfu:ratio5m{{run="{RUN}"}})')
+    assert stamp, "no MFU recorded"
+    at = float(stamp[0]["value"][1])
     expected = stack.query(f'sum(rate(robust_steps_total{{run="{RUN}"}}[5m])) * '
-                           f'{FLOPS_PER_STEP} / (2 * 989e12)')
-    mfu = stack.query(f'run:robust_mfu:ratio5m{{run="{RUN}"}}')
+                           f'{FLOPS_PER_STEP} / (2 * 989e12)', at)
+    mfu = stack.query(f'run:robust_mfu:ratio5m{{run="{RUN}"}}', at)
     assert len(mfu) == 1 and float(expected[0]["value"][1]) > 0, (mfu, expected)
     assert float(mfu[0]["value"][1]) == pytest.approx(float(expected[0]["value"][1]), rel=0.05)
 
