@@ -51,6 +51,7 @@ WORLD = 4
 NODE = "node-a"
 JOB = ROOT / "tests" / "fault_job.py"
 FAULT_STEP = 150  # in-job faults start here: after the spike detector's warmup and a SlowRank baseline
+CONTENDERS = 4  # busy processes beside the contended rank, each its own session: 1/5 of the CPU each
 
 
 @dataclass
@@ -101,7 +102,7 @@ def faults(healthy_seconds: float) -> list[Fault]:
               frozenset({"ThroughputDrop"}), formula="30 s + ≤ 15 s + ≤ 15 s"),
         Fault("gc-storm", ["--gc-rank", "2", "--slow-step", step, "--compute", "0.1"],
               "SlowRank", 2, SLOW, formula=SLOW_FORMULA),
-        Fault("cpu-contention", ["--work", "12", "--compute", "0.02"], "SlowRank", 3, SLOW,
+        Fault("cpu-contention", ["--work", "200", "--compute", "0.005"], "SlowRank", 3, SLOW,
               inject="contention", formula=SLOW_FORMULA),
         Fault("nan-loss", ["--nan-loss-rank", "1", "--nan-step", step], "NonFiniteLoss", 1,
               frozenset({"NonFiniteGradients"}), formula="≤ 15 s + ≤ 15 s"),
@@ -203,7 +204,7 @@ class Bench:
         elif fault.inject == "nic":
             self._flap_nic()
         elif fault.inject == "contention":
-            cleanup.extend(self._contend(job.pids[fault.rank]))  # type: ignore[index]
+            cleanup.extend(self._contend(job, fault.rank))  # type: ignore[arg-type]
         return time.time()
 
     def _flap_nic(self) -> None:
@@ -216,13 +217,20 @@ class Bench:
             time.sleep(0.3)
 
     @staticmethod
-    def _contend(pid: int) -> list[Callable[[], None]]:
-        """Pin the rank to CPU 0 with two busy processes pinned there too."""
-        cpu = {0}
-        os.sched_setaffinity(pid, cpu)
+    def _contend(job: RankJob, rank: int) -> list[Callable[[], None]]:
+        """Crowd one rank's CPU: pin it to CPU 0 with `CONTENDERS` busy processes, its peers to
+        the other CPUs (on 2 cores four ranks already share the cores; without moving the peers
+        away every rank would be slowed alike). Each busy process is its own session, as an
+        unrelated process on a node is: with autogroup scheduling the kernel shares a CPU
+        between sessions first, so hogs in one session would take only half of it."""
+        everything = os.sched_getaffinity(0)
+        crowded, others = {0}, (everything - {0}) or everything
+        for other, pid in enumerate(job.pids):
+            os.sched_setaffinity(pid, crowded if other == rank else others)
         hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"],
-                                 preexec_fn=lambda: os.sched_setaffinity(0, cpu))
-                for _ in range(2)]
+                                 preexec_fn=lambda: os.sched_setaffinity(0, crowded),
+                                 start_new_session=True)
+                for _ in range(CONTENDERS)]
         return [lambda h=h: (h.kill(), h.wait()) for h in hogs]  # type: ignore[misc]
 
     def _watch_positive(self, run: str, fault: Fault, t0: float, result: Trial,
