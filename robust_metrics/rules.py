@@ -22,6 +22,8 @@ from typing import Any
 
 import yaml
 
+from robust_metrics import rule_shards
+
 __all__ = [
     "RULES_DIR",
     "RUNBOOK_BASE",
@@ -212,6 +214,17 @@ def _positive(text: str) -> float:
     return value
 
 
+def _shards(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if not 1 <= value <= rule_shards.MAX_SHARDS:
+        raise argparse.ArgumentTypeError(
+            f"must be between 1 and {rule_shards.MAX_SHARDS}, got {value}")
+    return value
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
     """Options of `robust-metrics rules`."""
     parser.add_argument("--format", choices=FORMATS, default="plain",
@@ -233,6 +246,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--label", type=_label, action="append", default=[], metavar="KEY=VALUE",
                         help="extra metadata label of the PrometheusRule, e.g. release=prometheus "
                         "for an operator's ruleSelector (repeatable)")
+    parser.add_argument("--rank-shards", type=_shards, default=1, metavar="N",
+                        help="split the rank-by-rank rules of each group over N groups of rank "
+                        "subsets, which Prometheus and vmalert evaluate in parallel: for runs of "
+                        "thousands of ranks, where one group's evaluation would take seconds. "
+                        "Chained alerts fire up to one evaluation interval later. Default: 1 "
+                        f"(no split); at most {rule_shards.MAX_SHARDS}")
     parser.add_argument("--rules-dir", type=Path, default=RULES_DIR, metavar="DIR",
                         help="read rule sources from DIR instead of the packaged ones")
 
@@ -240,14 +259,18 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Render the rules; 0 on success, 2 with a message on bad input."""
     try:
-        groups = load_groups(args.rules_dir, time_scale=args.time_scale,
-                             runbook_base=args.runbook_url.rstrip("#"))
+        groups = rule_shards.shard_by_rank(
+            load_groups(args.rules_dir, time_scale=args.time_scale,
+                        runbook_base=args.runbook_url.rstrip("#")),
+            args.rank_shards)
     except (OSError, ValueError, yaml.YAMLError) as exc:
         print(f"robust-metrics rules: {exc}", file=sys.stderr)
         return 2
     header = f" --format {args.format}" if args.format != "plain" else ""
     if args.time_scale != 1:
         header += f" --time-scale {args.time_scale:g}"
+    if args.rank_shards != 1:
+        header += f" --rank-shards {args.rank_shards}"
     text = render(groups, args.format, name=args.name, namespace=args.namespace,
                   labels=dict(args.label), header_args=header)
     if args.out == "-":

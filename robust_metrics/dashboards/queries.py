@@ -47,7 +47,8 @@ def with_topology(expr: str) -> str:
 
 # Recording rules of alert_rules/ (`level:metric:operations`); tests check every name used here
 # against alert_rules/*.yml. They smooth over 5 minutes, as the alerts do.
-COMPUTE_RATIO = f"run_rank:robust_step_compute_seconds:ratio_to_median5m{{{RANKS}}}"
+COMPUTE_RATIO = (f"run_rank:robust_step_compute_seconds:mean5m{{{RANKS}}} / on (run) group_left () "
+                 f"run:robust_step_compute_seconds:median5m{{{RUN}}}")
 STEP_TIME_MEDIAN = f"run:robust_step_duration_seconds:median5m{{{RUN}}}"
 STEP_TIME_MAX = f"max by (run) (run_rank:robust_step_duration_seconds:mean5m{{{RUN}}})"
 THROUGHPUT = f"run:robust_steps:rate5m{{{RUN}}}"
