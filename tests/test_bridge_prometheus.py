@@ -13,7 +13,9 @@ from __future__ import annotations
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
 
 from robust_metrics.bridge.app import create_app
@@ -25,6 +27,16 @@ from tests.support import EXAMPLE, free_port, rank_job, wait_until
 
 pytestmark = pytest.mark.integration
 TOKEN = "prom-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+def checkpoint_until_settled(client: httpx.Client, run: str) -> dict[str, Any]:
+    """Post a `Ckpt` alert for `run` and wait until its checkpoint action is done or failed."""
+    r = client.post("/api/v1/alerts", json=webhook(alert("Ckpt", run=run)), headers=AUTH)
+    assert r.status_code == 200, r.text
+    return wait_until(lambda: (a := client.get("/api/v1/actions", headers=AUTH).json()[
+        "actions"]) and a[0]["status"] in ("done", "failed") and a[0], 45,
+        message="the checkpoint to be acknowledged")
 
 
 def test_checkpoint_with_nodes_and_acks_from_prometheus(tmp_path: Path) -> None:
@@ -44,13 +56,7 @@ def test_checkpoint_with_nodes_and_acks_from_prometheus(tmp_path: Path) -> None:
                    "rules": [{"match": {"alertname": "Ckpt"},
                               "actions": [{"type": "checkpoint", "timeout_s": 30}]}]}
             with serve_app(create_app(Bridge(parse(raw, tmp_path)))) as client:
-                r = client.post("/api/v1/alerts", json=webhook(alert("Ckpt", run="r1")),
-                                headers={"Authorization": f"Bearer {TOKEN}"})
-                assert r.status_code == 200
-                row = wait_until(lambda: (a := client.get(
-                    "/api/v1/actions", headers={"Authorization": f"Bearer {TOKEN}"}).json()[
-                    "actions"]) and a[0]["status"] in ("done", "failed") and a[0], 45,
-                    message="the checkpoint to be acknowledged")
+                row = checkpoint_until_settled(client, "r1")
             step = row["steps"][0]
             assert row["status"] == "done", step
             assert step["data"]["nodes"] == ["n1", "n2"]  # n3 serves another run
@@ -83,13 +89,7 @@ def test_checkpoint_by_signal_waits_for_every_rank_to_acknowledge_in_prometheus(
             local.start("r1")
             wait_for_series(prom, 'robust_rank_info{run="r1"}', timeout=90)
             with serve_app(create_app(bridge)) as client:
-                r = client.post("/api/v1/alerts", json=webhook(alert("Ckpt", run="r1")),
-                                headers={"Authorization": f"Bearer {TOKEN}"})
-                assert r.status_code == 200
-                row = wait_until(lambda: (a := client.get(
-                    "/api/v1/actions", headers={"Authorization": f"Bearer {TOKEN}"}).json()[
-                    "actions"]) and a[0]["status"] in ("done", "failed") and a[0], 45,
-                    message="the checkpoint to be acknowledged")
+                row = checkpoint_until_settled(client, "r1")
             step = row["steps"][0]
             assert row["status"] == "done", step
             assert step["data"]["before"] == {"0": 0.0}
@@ -140,13 +140,7 @@ def test_checkpoint_through_kubernetes_is_a_pod_annotation_acknowledged_in_prome
             raw["prometheus"] = {"url": prom.url}
             wait_for_series(prom, 'robust_rank_info{run="llama"}', timeout=90)
             with serve_app(create_app(Bridge(parse(raw, tmp_path)))) as client:
-                r = client.post("/api/v1/alerts", json=webhook(alert("Ckpt", run="llama")),
-                                headers={"Authorization": f"Bearer {TOKEN}"})
-                assert r.status_code == 200
-                row = wait_until(lambda: (a := client.get(
-                    "/api/v1/actions", headers={"Authorization": f"Bearer {TOKEN}"}).json()[
-                    "actions"]) and a[0]["status"] in ("done", "failed") and a[0], 45,
-                    message="the checkpoint to be acknowledged")
+                row = checkpoint_until_settled(client, "llama")
             step = row["steps"][0]
             assert row["status"] == "done", step
             assert step["data"]["scheduler"] == "k8s" and step["data"]["pods"] == [
