@@ -219,7 +219,7 @@ def measure_prometheus(args: argparse.Namespace, exporter: Exporter, rule_file: 
         time.sleep(3 * rules.parse_duration(args.interval) / 1000)
         quiet: dict[str, list[float]] = {}
         per_rule: dict[str, float] = {}
-        for _ in range(3):
+        for _ in range(args.quiet_replays):
             for group in [*args.groups, BASELINE]:
                 total = 0.0
                 for rule in group["rules"]:
@@ -342,6 +342,9 @@ def main(argv: list[str] | None = None) -> int:
                         default="prometheus",
                         help="both: VictoriaMetrics first, then Prometheus, same exporter")
     parser.add_argument("--shards", type=int, default=2, help="vmagent shards")
+    parser.add_argument("--quiet-replays", type=int, default=3, metavar="N",
+                        help="times every rule is replayed as an instant query after ingestion "
+                             "stopped (the minimum is reported per rule; 0: no replay)")
     parser.add_argument("--rank-shards", type=int, default=1, metavar="N",
                         help="evaluate the rules as `robust-metrics rules --rank-shards N` "
                              "renders them: per-rank rules split over N groups of ranks")
