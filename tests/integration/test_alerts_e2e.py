@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from robust_metrics import rules
+from robust_metrics import rule_shards, rules
 from tests.prometheus_fixture import PrometheusServer
 from tests.support import RankJob, free_port_block, require_binary, wait_until
 
@@ -34,9 +34,10 @@ TIME_SCALE = 1 / 15  # 1 s intervals here, 15 s in production
 STEP_SLEEP = "0.05"
 
 
-def write_test_rules(folder: Path) -> Path:
+def write_test_rules(folder: Path, rank_shards: int = 1) -> Path:
     path = folder / "rules-1s.yml"
-    path.write_text(rules.render(rules.load_groups(time_scale=TIME_SCALE)))
+    groups = rules.load_groups(time_scale=TIME_SCALE)
+    path.write_text(rules.render(rule_shards.shard_by_rank(groups, rank_shards)))
     return path
 
 
@@ -59,14 +60,18 @@ def wait_firing(prom: PrometheusServer, run: str, alertname: str, timeout: float
         raise AssertionError(f"{exc}\nactive alerts: {alerts(prom, run)}\n{job.logs()}") from None
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+@pytest.fixture(scope="module", params=[1, 2], ids=["one-group", "rank-shards-2"])
+def setup(request: pytest.FixtureRequest,
+          tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """A Prometheus with the rules as one group per concern, and split by rank in two shards
+    (`rules --rank-shards 2`: ranks 0 and 2 in one group, 1 and 3 in the other, evaluated at
+    their own moments): the same faults must be named, and nothing may fire while healthy."""
     require_binary("prometheus")
     folder = tmp_path_factory.mktemp("e2e")
     ports = {"healthy": free_port_block(WORLD), "faulty": free_port_block(WORLD)}
     targets = [f"127.0.0.1:{base + r}" for base in ports.values() for r in range(WORLD)]
     server = PrometheusServer(folder / "prometheus", targets,
-                              rule_files=[write_test_rules(folder)])
+                              rule_files=[write_test_rules(folder, request.param)])
     server.start()
     try:
         yield {"prom": server, "ports": ports, "folder": folder}
