@@ -50,6 +50,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--checkpoint-dir", default="", help="save and resume checkpoints here")
     p.add_argument("--checkpoint-every", type=int, default=0,
                    help="also save a checkpoint every N steps (0: only on request)")
+    p.add_argument("--checkpoint-seconds", type=float, default=0.0,
+                   help="each checkpoint also takes this long, as on a slow filesystem")
     p.add_argument("--crash-rank", type=int, default=-1)
     p.add_argument("--crash-step", type=int, default=-1,
                    help="the crash rank raises at this step, after every restart too")
@@ -82,6 +84,7 @@ def main(argv: list[str] | None = None) -> None:
             torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                         "step": step}, ckpt_path + ".tmp")
             os.replace(ckpt_path + ".tmp", ckpt_path)
+        time.sleep(args.checkpoint_seconds)
         print(f"rank {rank}: checkpoint at step {step}", flush=True)
 
     handle = robust_metrics.watch(ddp, optimizer, checkpoint=save_checkpoint, start_step=start,

@@ -5,7 +5,7 @@ multiprocess mode (rank 1 slow, rank 0 with a NaN loss at step 5), the real side
 files with a fake pynvml (two GPUs, one XID 79 event) and the sidecar's sysfs fixture for the NIC
 collector, the action bridge in dry-run mode receiving two Alertmanager (v4) webhooks whose
 rule checkpoints, dumps stacks, restarts and drains, Prometheus scraping the sidecar and the
-bridge every second with alert_rules/*.yml loaded, and a checkpoint request written into the
+bridge every second with alert_rules/*.yml loaded, and a checkpoint request (a 3 s checkpoint) written into the
 control folder. Then every panel query, annotation and variable query,
 with the variables substituted as Grafana does, goes through /api/v1/query and must return data.
 Fault-only panels must show the injected fault. Panels whose data needs a part this stack does not
@@ -132,7 +132,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         prom.start()
         job = RankJob(2, ["--steps", "100000", "--step-sleep", "0.1", "--slow-rank", "1",
                           "--slow-seconds", "0.1", "--nan-rank", "0", "--nan-step", "5",
-                          "--flops-per-step", str(FLOPS_PER_STEP)],
+                          "--flops-per-step", str(FLOPS_PER_STEP), "--checkpoint-seconds", "3"],
                       env={"ROBUST_METRICS_DIR": str(metrics_dir), "ROBUST_METRICS_NODE": NODE},
                       log_dir=tmp, run=RUN)
         wait_for_series(prom, f'robust_steps_total{{run="{RUN}"}} > 10', timeout=90)
@@ -149,6 +149,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         wait_for_series(prom, f'robust_bridge_actions_total{{run="{RUN}"}} > 1', timeout=30)
         # the rules chain (ETTR, straggler ratio) and 1 min rate windows need some history
         for expr in (f'run:robust_ettr:ratio1h{{run="{RUN}"}}',
+                     # the requested checkpoint's 3 s, seen by the badput rules
+                     f'run:robust_badput_seconds:total{{run="{RUN}", cause="checkpoint"}} > 0',
                      f'run:robust_straggler_slowdown:ratio5m{{run="{RUN}"}}',
                      f'run:robust_mfu:ratio5m{{run="{RUN}"}}',
                      f'ALERTS{{alertname="NonFiniteLoss", alertstate="firing", run="{RUN}"}}',
