@@ -5,8 +5,8 @@ multiprocess mode (rank 1 slow, rank 0 with a NaN loss at step 5), the real side
 files with a fake pynvml (two GPUs, one XID 79 event) and the sidecar's sysfs fixture for the NIC
 collector, the action bridge in dry-run mode receiving two Alertmanager (v4) webhooks whose
 rule checkpoints, dumps stacks, restarts and drains, Prometheus scraping the sidecar and the
-bridge every second with alert_rules/*.yml loaded, and a checkpoint request (a 3 s checkpoint) written into the
-control folder. Then every panel query, annotation and variable query,
+bridge every second with alert_rules/*.yml loaded, and a checkpoint request (a 3 s checkpoint)
+written into the control folder. Then every panel query, annotation and variable query,
 with the variables substituted as Grafana does, goes through /api/v1/query and must return data.
 Fault-only panels must show the injected fault. Panels whose data needs a part this stack does not
 run are listed in NOT_PROVEN_HERE, by need.
