@@ -25,13 +25,14 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from robust_metrics import rule_shards, rules, schema
-from robust_metrics.processes import Prometheus, free_port
+from robust_metrics.processes import Prometheus, QueryAPI, ServiceError, free_port
 
 SLOW_RANK = 7
 SLOW_RANKS = ("run_rank:robust_step_compute_seconds:mean5m / on (run) group_left () "
@@ -263,6 +264,15 @@ def _sum(metrics: dict[str, float], prefix: str) -> float:
     return sum(v for k, v in metrics.items() if k.startswith(prefix))
 
 
+def _query(engine: QueryAPI, expr: str) -> tuple[list[dict[str, Any]], str | None]:
+    """The query's result, or no result and the engine's error: a query over every rank that
+    hits the engine's limits at 65,536 ranks must not lose the run's other measurements."""
+    try:
+        return engine.query(expr), None
+    except ServiceError as exc:
+        return [], str(exc)
+
+
 def measure_victoriametrics(args: argparse.Namespace, rule_file: Path,
                             scrape: list[dict[str, object]], tmp: Path) -> dict[str, object]:
     """Two vmagent shards -> VictoriaMetrics <- vmalert, as deployed (docs/victoriametrics.md).
@@ -300,8 +310,8 @@ def measure_victoriametrics(args: argparse.Namespace, rule_file: Path,
                         n = after["vmalert"][count_key] - before["vmalert"].get(count_key, 0)
                         spent = total - before["vmalert"].get(key, 0)
                         durations[group] = [spent / n] * int(n) if n else []
-                slow = vm.query(SLOW_RANKS)
-                slowdown = vm.query("run:robust_straggler_slowdown:ratio5m")
+                slow, slow_error = _query(vm, SLOW_RANKS)
+                slowdown, slowdown_error = _query(vm, "run:robust_straggler_slowdown:ratio5m")
                 rss = {name: psutil.Process(p.pid).memory_info().rss / 2**30
                        for name, p in [("victoria-metrics", vm), ("vmalert", vmalert),
                                        *((f"vmagent{i}", s) for i, s in enumerate(shards))]
@@ -323,6 +333,7 @@ def measure_victoriametrics(args: argparse.Namespace, rule_file: Path,
         "iterations_missed_total": missed,
         "straggler_slowdown": slowdown[0]["value"][1] if slowdown else None,
         "slow_ranks_found": [s["metric"]["rank"] for s in slow],
+        "query_errors": [e for e in (slow_error, slowdown_error) if e],
         "groups": {name: {"evaluations": len(v), "mean_s": round(v[0], 4) if v else None}
                    for name, v in sorted(durations.items())},
         "groups_x_baseline": {name: round(v[0] / durations["bench-baseline"][0], 1)

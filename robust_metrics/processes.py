@@ -297,7 +297,12 @@ class QueryAPI:
             with urllib.request.urlopen(url, timeout=30) as response:
                 body = json.load(response)
         except urllib.error.HTTPError as exc:
-            body = json.loads(exc.read() or b"{}")
+            text = exc.read()
+            try:
+                body = json.loads(text or b"{}")
+            except ValueError:  # VictoriaMetrics answers some errors in plain text
+                raise ServiceError(f"{self.url}/api/v1/{path} {params}: HTTP {exc.code}: "
+                                   f"{text[:300].decode(errors='replace')}") from None
         except (OSError, ValueError) as exc:
             raise ServiceError(f"{self.url} unreachable: {exc}") from None
         if body.get("status") != "success":
