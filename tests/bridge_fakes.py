@@ -27,7 +27,9 @@ from robust_metrics.bridge.signing import verify
 from tests.support import ROOT, free_port, wait_until
 
 
-class _Server:
+class StubServer:
+    """A local HTTP server on a free port answering with `handler`; stopped on exit."""
+
     def __init__(self, handler: type[BaseHTTPRequestHandler]) -> None:
         self.port = free_port()
         self.server = ThreadingHTTPServer(("127.0.0.1", self.port), handler)
@@ -51,7 +53,7 @@ class _Server:
         self.close()
 
 
-def _reply(handler: BaseHTTPRequestHandler, status: int, body: Any,
+def send_reply(handler: BaseHTTPRequestHandler, status: int, body: Any,
            ctype: str = "application/json") -> None:
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     handler.send_response(status)
@@ -68,12 +70,12 @@ class _SidecarHandler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         fake: FakeSidecar = self.server.owner  # type: ignore[attr-defined]
         if self.headers.get("Authorization") != f"Bearer {fake.token}":
-            _reply(self, 401, {"error": "bad token"})
+            send_reply(self, 401, {"error": "bad token"})
             return
         length = int(self.headers.get("Content-Length") or 0)
         body = json.loads(self.rfile.read(length) or b"{}")
         if self.path != "/control/checkpoint":
-            _reply(self, 404, {"error": "no route"})
+            send_reply(self, 404, {"error": "no route"})
             return
         with fake.lock:
             fake.next_id += 1
@@ -81,7 +83,7 @@ class _SidecarHandler(BaseHTTPRequestHandler):
             fake.checkpoint_requests.append(body)
         if fake.ack:
             threading.Timer(fake.ack_delay_s, fake.acknowledge, args=(request_id,)).start()
-        _reply(self, 200, {"request_id": request_id})
+        send_reply(self, 200, {"request_id": request_id})
 
     def do_GET(self) -> None:
         fake: FakeSidecar = self.server.owner  # type: ignore[attr-defined]
@@ -92,14 +94,14 @@ class _SidecarHandler(BaseHTTPRequestHandler):
             lines += ["# TYPE robust_rank_info gauge"]
             lines += [f'robust_rank_info{{run="{fake.run}",rank="{r}",node="{fake.node}",'
                       f'pid="{1000 + r}"}} 1' for r in fake.ranks]
-            _reply(self, 200, ("\n".join(lines) + "\n").encode(), "text/plain")
+            send_reply(self, 200, ("\n".join(lines) + "\n").encode(), "text/plain")
             return
         if self.headers.get("Authorization") != f"Bearer {fake.token}":
-            _reply(self, 401, {"error": "bad token"})
+            send_reply(self, 401, {"error": "bad token"})
             return
         if self.path == "/debug/stacks":
             fake.stack_requests += 1
-            _reply(self, 200, {"node": fake.node, "ranks": [
+            send_reply(self, 200, {"node": fake.node, "ranks": [
                 {"run": fake.run, "rank": r, "pid": 1000 + r, "error": None,
                  "threads": [{"thread_name": "MainThread", "frames": [
                      {"file": "torch/distributed/distributed_c10d.py", "line": 10,
@@ -107,10 +109,10 @@ class _SidecarHandler(BaseHTTPRequestHandler):
                      {"file": "train.py", "line": 20, "function": "main"}]}]}
                 for r in fake.ranks]})
             return
-        _reply(self, 404, {"error": "no route"})
+        send_reply(self, 404, {"error": "no route"})
 
 
-class FakeSidecar(_Server):
+class FakeSidecar(StubServer):
     """A node sidecar: checkpoint requests are acknowledged by every rank after a delay."""
 
     def __init__(self, *, node: str, run: str, ranks: list[int], token: str = "side-token",
@@ -144,10 +146,10 @@ class _ReceiverHandler(BaseHTTPRequestHandler):
                                   "body": json.loads(body), "signed": signed})
         if fake.delay_s:
             time.sleep(fake.delay_s)
-        _reply(self, fake.status, {"ok": fake.status < 300})
+        send_reply(self, fake.status, {"ok": fake.status < 300})
 
 
-class Receiver(_Server):
+class Receiver(StubServer):
     """Records signed JSON POSTs (webhook scheduler, notify); answers `status` after `delay_s`."""
 
     def __init__(self, secret: str | None = "hook-secret", status: int = 200,
@@ -171,12 +173,12 @@ class _RecorderHandler(BaseHTTPRequestHandler):
         with fake.lock:
             fake.requests.append({"method": self.command, "path": self.path,
                                   "headers": dict(self.headers.items())})
-        _reply(self, 200, {"request_id": 1, "node": "evil", "ranks": []})
+        send_reply(self, 200, {"request_id": 1, "node": "evil", "ranks": []})
 
     do_GET = do_POST = do_PUT = do_DELETE = _any
 
 
-class Recorder(_Server):
+class Recorder(StubServer):
     """A server that answers everything with 200 and records it: an attacker's listener, to prove
     that nothing (least of all a bearer token) reaches it."""
 
