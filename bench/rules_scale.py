@@ -38,6 +38,10 @@ SLOW_RANK = 7
 SLOW_RANKS = ("run_rank:robust_step_compute_seconds:mean5m / on (run) group_left () "
               "run:robust_step_compute_seconds:median5m > 1.25")
 RUN = "bench"
+# Alerts the synthetic job raises: SlowRank for rank 7 and StragglerSlowdownHigh for the run.
+# Anything else means the synthetic job is not the healthy one the figures are meant for (one
+# alert per rank costs more to evaluate than every rule together).
+ALERTS_BY_NAME = "count by (alertname, alertstate) (ALERTS)"
 
 # value key of each sample name; %(key)s placeholders are filled once per scrape
 SAMPLE_KEYS = {
@@ -54,6 +58,10 @@ SAMPLE_KEYS = {
     "robust_rank_process_cpu_seconds_total": "steps", "robust_last_checkpoint_timestamp_seconds":
     "start", "robust_rank_process_resident_memory_bytes": "bytes",
     "robust_model_flops_total": "flops", "robust_gpu_peak_flops": "peak",
+    # a healthy rank: no non-finite step, no failed or requested checkpoint, started at step 0
+    "robust_nonfinite_loss_steps_total": "zero", "robust_nonfinite_grad_steps_total": "zero",
+    "robust_checkpoint_failures_total": "zero", "robust_checkpoint_request_id": "zero",
+    "robust_start_step": "zero",
 }
 FLOPS_PER_SECOND, PEAK_FLOPS = 400e12, 989e12  # with --flops: MFU = 400 / 989 on every rank
 
@@ -211,6 +219,7 @@ def measure_prometheus(args: argparse.Namespace, exporter: Exporter, rule_file: 
         slowdown = prom.query("run:robust_straggler_slowdown:ratio5m")
         mfu = prom.query("run:robust_mfu:ratio5m")
         slow = prom.query(SLOW_RANKS)
+        alerts = _alert_counts(prom.query(ALERTS_BY_NAME))
         rss = psutil.Process(prom.proc.pid).memory_info().rss if prom.proc else 0
         # Quiet replay: stop the exporter (no more ingestion), then run every rule's
         # expression as an instant query at a moment inside the data, in group order,
@@ -240,6 +249,7 @@ def measure_prometheus(args: argparse.Namespace, exporter: Exporter, rule_file: 
         "straggler_slowdown": slowdown[0]["value"][1] if slowdown else None,
         "mfu": mfu[0]["value"][1] if mfu else None,
         "slow_ranks_found": [s["metric"]["rank"] for s in slow],
+        "alerts": alerts,
         "slowest_rules_last_eval_s": [(name, round(t, 4)) for t, name in slowest],
         "quiet_slowest_rules_s": sorted(((round(t, 4), n) for n, t in per_rule.items()),
                                         reverse=True)[:8],
@@ -262,6 +272,12 @@ def _metrics(url: str) -> dict[str, float]:
 
 def _sum(metrics: dict[str, float], prefix: str) -> float:
     return sum(v for k, v in metrics.items() if k.startswith(prefix))
+
+
+def _alert_counts(result: list[dict[str, Any]]) -> dict[str, int]:
+    """{"<alertname> <state>": number of alerts} from ALERTS_BY_NAME."""
+    return {f'{r["metric"]["alertname"]} {r["metric"]["alertstate"]}': int(float(r["value"][1]))
+            for r in result}
 
 
 def _query(engine: QueryAPI, expr: str) -> tuple[list[dict[str, Any]], str | None]:
@@ -321,6 +337,7 @@ def measure_victoriametrics(args: argparse.Namespace, rule_file: Path,
             # groups hold every search slot VictoriaMetrics has (2 per core).
             slow, slow_error = _query(vm, SLOW_RANKS)
             slowdown, slowdown_error = _query(vm, "run:robust_straggler_slowdown:ratio5m")
+            alerts, alerts_error = _query(vm, ALERTS_BY_NAME)
         finally:
             for shard in shards:
                 shard.stop()
@@ -335,7 +352,8 @@ def measure_victoriametrics(args: argparse.Namespace, rule_file: Path,
         "iterations_missed_total": missed,
         "straggler_slowdown": slowdown[0]["value"][1] if slowdown else None,
         "slow_ranks_found": [s["metric"]["rank"] for s in slow],
-        "query_errors": [e for e in (slow_error, slowdown_error) if e],
+        "alerts": _alert_counts(alerts),
+        "query_errors": [e for e in (slow_error, slowdown_error, alerts_error) if e],
         "groups": {name: {"evaluations": len(v), "mean_s": round(v[0], 4) if v else None}
                    for name, v in sorted(durations.items())},
         "groups_x_baseline": {name: round(v[0] / durations["bench-baseline"][0], 1)
