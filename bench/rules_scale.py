@@ -58,6 +58,7 @@ SAMPLE_KEYS = {
     "robust_rank_process_cpu_seconds_total": "steps", "robust_last_checkpoint_timestamp_seconds":
     "start", "robust_rank_process_resident_memory_bytes": "bytes",
     "robust_model_flops_total": "flops", "robust_gpu_peak_flops": "peak",
+    "robust_rank_gpu_peak_flops": "peak",
     # a healthy rank: no non-finite step, no failed or requested checkpoint, started at step 0
     "robust_nonfinite_loss_steps_total": "zero", "robust_nonfinite_grad_steps_total": "zero",
     "robust_checkpoint_failures_total": "zero", "robust_checkpoint_request_id": "zero",
@@ -82,10 +83,12 @@ def _labels(spec: schema.MetricSpec, rank: int, node: int) -> list[str]:
 def rank_specs(flops: bool = False) -> list[schema.MetricSpec]:
     """Per-rank metrics a healthy CPU rank publishes by default (no CUDA memory, no hook errors,
     nothing that appears only after an event: a spike, a stop, an exit, a normal end);
-    with `flops`, also the FLOP counter of watch(flops_per_step=) and the peak of the rank's GPU
-    (one GPU per rank, so the sidecar's per-GPU peak counts here as one series per rank)."""
+    with `flops`, also the FLOP counter of watch(flops_per_step=), the peak of the rank's GPU
+    (one GPU per rank, so the sidecar's per-GPU peak counts here as one series per rank) and the
+    same peak as the sidecar publishes it for the rank."""
     if flops:
-        return [*rank_specs(), schema.MODEL_FLOPS, schema.GPU_PEAK_FLOPS]
+        return [*rank_specs(), schema.MODEL_FLOPS, schema.GPU_PEAK_FLOPS,
+                schema.RANK_GPU_PEAK_FLOPS]
     skip = {"robust_cuda_memory_allocated_bytes", "robust_cuda_memory_reserved_bytes",
             "robust_cuda_memory_peak_bytes", "robust_hook_errors_total"}
     return [m for m in schema.all_metrics()

@@ -35,7 +35,6 @@ PER_RANK_RULES = frozenset({
     "run_rank:robust_step_compute_seconds:mean1m",
     "SlowRank",
     "NonFiniteLoss",
-    "run_rank:robust_gpu_peak_flops:max",
 })
 """Rules computed rank by rank, with no comparison between ranks inside the expression, and
 reading no record of their own group that is computed from every rank. (The collectives-entered

@@ -333,6 +333,12 @@ GPU_PEAK_FLOPS = _declare(
     "name (robust_metrics/sidecar/gpu_peaks.py) or --gpu-peak-flops; the MFU denominator.",
     labels=GPU, source=SIDECAR,
 )
+RANK_GPU_PEAK_FLOPS = _declare(
+    "robust_rank_gpu_peak_flops", G,
+    "Peak dense FLOP/s of the GPU a rank runs on (the GPU NVML sees its process on, else the GPU "
+    "numbered as its local rank), for ranks that count model FLOPs; the MFU denominator per rank.",
+    source=SIDECAR, default_on=False,
+)
 GPU_LOST = _declare(
     "robust_gpu_lost", G,
     "1 when NVML reports the GPU lost or inaccessible (fallen off the bus), 0 otherwise.",

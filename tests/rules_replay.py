@@ -131,6 +131,7 @@ def _rank_samples(rank: int, s: _Rank, t0: float, elapsed: float
     yield "robust_rank_gpu_info", {**base, **gpu}, 1
     yield "robust_model_flops_total", base, steps * FLOPS_PER_STEP
     yield "robust_gpu_peak_flops", {"node": gpu["node"], "gpu": gpu["gpu"]}, PEAK_FLOPS
+    yield "robust_rank_gpu_peak_flops", base, PEAK_FLOPS
     yield "robust_gpu_info", {**gpu, "name": "H100"}, 1
     yield "robust_gpu_lost", {"node": gpu["node"], "gpu": gpu["gpu"]}, 0
     xid = {"node": gpu["node"], "gpu": gpu["gpu"], "xid": "79"}

@@ -261,6 +261,37 @@ def test_rank_gpu_mapping_from_running_processes(tmp_path: Path) -> None:
     folder.close()
 
 
+def test_each_rank_counting_flops_gets_the_peak_of_its_own_gpu(tmp_path: Path) -> None:
+    """The MFU denominator per rank: the GPU NVML sees the rank on, else its local rank's GPU;
+    no series for a rank that counts no FLOPs or runs on a GPU with no known peak."""
+    (tmp_path / "ranks").mkdir()
+    ranks = {  # pid: (rank, local rank, counts FLOPs)
+        101: ("0", "0", True),  # NVML sees it on GPU 1, not GPU 0 of its local rank
+        102: ("1", "0", True),  # NVML does not see it (a hidden pid): GPU 0 by its local rank
+        103: ("2", "2", True),  # GPU 2, an A10G, has no bf16 peak in the table
+        104: ("3", "0", False),  # counts no FLOPs (no flops_per_step)
+    }
+    for pid, (rank, local_rank, counts) in ranks.items():
+        store = MetricStore({"run": "j", "rank": rank})
+        store.series(schema.STEPS_TOTAL).inc()
+        if counts:
+            store.series(schema.MODEL_FLOPS).inc(1e15)
+        MultiprocessSink(str(tmp_path), pid=pid).flush(store)
+        (tmp_path / "ranks" / f"{pid}.json").write_text(json.dumps(
+            {"run": "j", "rank": rank, "local_rank": local_rank, "pid": pid,
+             "started": time.time()}))
+    folder = RankFolder(str(tmp_path), alive=lambda pid, started: pid in ranks, cache_seconds=0)
+    nvml = FakeNvml([FakeGpu("GPU-aaaa", name="NVIDIA A100-SXM4-80GB"),
+                     FakeGpu("GPU-bbbb"), FakeGpu("GPU-cccc", name="NVIDIA A10G")])
+    nvml.gpus[0].pids = [104]
+    nvml.gpus[1].pids = [101]
+    registry = registry_of(nvml=NvmlCollector("n1", folder, nvml=nvml, xid_events=False))
+    peaks = {s.labels["rank"]: s.value for m in registry.collect() for s in m.samples
+             if s.name == "robust_rank_gpu_peak_flops"}
+    assert peaks == {"0": 989e12, "1": 312e12}
+    folder.close()
+
+
 # -- nccl RAS ----------------------------------------------------------------------------------
 def test_parse_text_report_of_nccl_2_24() -> None:
     report = parse_text_report((FIXTURES / "ras_status_2.24.txt").read_text())

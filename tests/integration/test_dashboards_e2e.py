@@ -250,7 +250,7 @@ def test_variable_queries_list_the_run_its_nodes_and_ranks(stack: Stack) -> None
 
 def test_mfu_is_the_counted_flops_over_the_fake_gpus_peak(stack: Stack) -> None:
     """Ranks found on GPUs 0 and 1 by local rank; MFU = step rate x FLOPs / (2 x H100 peak)."""
-    peaks = stack.query(f'run_rank:robust_gpu_peak_flops:max{{run="{RUN}"}}')
+    peaks = stack.query(f'robust_rank_gpu_peak_flops{{run="{RUN}"}}')
     assert sorted((s["metric"]["rank"], float(s["value"][1])) for s in peaks) == [
         ("0", 989e12), ("1", 989e12)], peaks
     # Both at the instant the rule last evaluated: the rate of a series younger than its window

@@ -8,6 +8,10 @@ only. XID events arrive through an NVML event set in a background thread and are
 Which GPU each rank uses comes from the GPU's running compute processes matched to
 `ranks/<pid>.json`. Each GPU's peak FLOP/s (the MFU denominator) comes from its NVML name through
 `robust_metrics.sidecar.gpu_peaks`, in `--gpu-peak-dtype`, overridable by `--gpu-peak-flops`.
+Each rank that counts model FLOPs also gets the peak of its own GPU (`robust_rank_gpu_peak_flops`):
+the node knows which GPU a rank uses, and joining 16,384 ranks to their GPUs in a rule costs
+Prometheus more than every other MFU rule together. A rank NVML does not see (a container that
+hides its pid) is taken to use the GPU numbered as its local rank.
 
 The NVML module is a constructor argument so tests pass a fake at the pynvml boundary.
 """
@@ -217,7 +221,9 @@ class NvmlCollector:
         xid = counter(s.GPU_XID_ERRORS, ("xid",))
         rank_gpu = GaugeMetricFamily(s.RANK_GPU_INFO.name, s.RANK_GPU_INFO.help,
                                      labels=["run", "rank", "node", "gpu", "uuid"])
-        ranks = self._rank_pids()
+        ranks, counting = self._ranks()
+        peaks: dict[str, float] = {}  # GPU index -> peak, for GPUs read whole
+        rank_gpus: dict[tuple[str, str], set[str]] = {}  # (run, rank) -> GPUs NVML sees it on
 
         for index in range(count):
             gpu = str(index)
@@ -272,29 +278,46 @@ class NvmlCollector:
                         if value is not None:
                             put(nvlink, [*labels, str(link), kind], float(value))
                 procs = self._call(nvml.nvmlDeviceGetComputeRunningProcesses, handle) or []
-                for proc in procs:
-                    who = ranks.get(int(proc.pid))
-                    if who is not None:
-                        put(rank_gpu, [who[0], who[1], self.node, gpu, uuid], 1.0)
+                users = {ranks[int(proc.pid)] for proc in procs if int(proc.pid) in ranks}
+                for who in sorted(users):
+                    put(rank_gpu, [who[0], who[1], self.node, gpu, uuid], 1.0)
             except _GpuLost:  # a GPU that vanished mid-read keeps none of its values
                 lost.add_metric(labels, 1.0)
                 continue
             lost.add_metric(labels, 0.0)
+            if flops is not None:
+                peaks[gpu] = flops
+            for who in users:
+                rank_gpus.setdefault(who, set()).add(gpu)
             for family, values, value in pending:
                 family.add_metric(values, value)  # type: ignore[attr-defined]
         if self._xid is not None:
             for (gpu, code), value in sorted(self._xid.snapshot().items()):
                 xid.add_metric([self.node, gpu, code], float(value))
+        rank_peak = GaugeMetricFamily(s.RANK_GPU_PEAK_FLOPS.name, s.RANK_GPU_PEAK_FLOPS.help,
+                                      labels=["run", "rank"])
+        for who, local_rank in sorted(counting.items()):
+            known = [peaks[g] for g in rank_gpus.get(who, {local_rank}) if g in peaks]
+            if known:
+                rank_peak.add_metric(list(who), max(known))
         yield from (info, peak, lost, util, mem_used, mem_total, temp, power, energy, sm_clock,
                     mem_clock, throttle, ecc, remap_pending, remap_failure, pcie, nvlink, xid,
-                    rank_gpu)
+                    rank_gpu, rank_peak)
 
-    def _rank_pids(self) -> dict[int, tuple[str, str]]:
+    def _ranks(self) -> tuple[dict[int, tuple[str, str]], dict[tuple[str, str], str]]:
+        """Live ranks by pid as (run, rank), and the local rank of each live rank that counts
+        model FLOPs (its files hold robust_model_flops_total)."""
         if self.folder is None:
-            return {}
+            return {}, {}
         snapshot = self.folder.snapshot()
-        return {pid: (i.run, i.rank) for pid, i in snapshot.identities.items()
-                if snapshot.alive.get(pid)}
+        live = {pid: i for pid, i in snapshot.identities.items() if snapshot.alive.get(pid)}
+        flops = schema.MODEL_FLOPS.name
+        counted = {(sample.labels.get("run", ""), sample.labels.get("rank", ""))
+                   for family in snapshot.families for sample in family.samples
+                   if sample.name == flops}
+        local = {(i.run, i.rank): i.local_rank for i in live.values()}
+        return ({pid: (i.run, i.rank) for pid, i in live.items()},
+                {who: local[who] for who in counted if who in local})
 
     def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """fn(*args); None when the GPU does not support it; _GpuLost when the GPU is gone."""
