@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from robust_metrics import rule_shards, rules, schema
 from robust_metrics.processes import Prometheus, QueryAPI, ServiceError, free_port
+from robust_metrics.sidecar.collectors.nvml import THROTTLE_REASONS
 
 SLOW_RANK = 7
 SLOW_RANKS = ("run_rank:robust_step_compute_seconds:mean5m / on (run) group_left () "
@@ -63,29 +64,51 @@ SAMPLE_KEYS = {
     "robust_nonfinite_loss_steps_total": "zero", "robust_nonfinite_grad_steps_total": "zero",
     "robust_checkpoint_failures_total": "zero", "robust_checkpoint_request_id": "zero",
     "robust_start_step": "zero",
+    # a healthy GPU (--gpu-series): not lost, not throttled, no ECC error, no row to remap
+    "robust_gpu_lost": "zero", "robust_gpu_clock_throttle": "zero",
+    "robust_gpu_ecc_errors_total": "zero", "robust_gpu_row_remap_pending": "zero",
+    "robust_gpu_row_remap_failure": "zero", "robust_gpu_pcie_replays_total": "zero",
+    "robust_gpu_energy_joules_total": "steps",
 }
+# values of the labels a series has several of (one series per value)
+MULTI_VALUED = {"phase": schema.PHASES, "reason": tuple(THROTTLE_REASONS),
+                "type": ("corrected", "uncorrected")}
 FLOPS_PER_SECOND, PEAK_FLOPS = 400e12, 989e12  # with --flops: MFU = 400 / 989 on every rank
 
 
 def _labels(spec: schema.MetricSpec, rank: int, node: int) -> list[str]:
-    """Label sets of one rank's series of `spec` (one op/group, three phases)."""
-    base = {"run": RUN, "rank": str(rank)}
-    if spec.name == "robust_phase":
-        return [f'run="{RUN}",rank="{rank}",phase="{p}"' for p in schema.PHASES]
-    extra = {"op": "all_reduce", "group": "default_pg", "node": f"node{node}",
-             "gpu": str(rank % 8), "uuid": f"GPU-{rank}", "local_rank": str(rank % 8),
-             "world_size": "16384", "pid": str(10000 + rank), "dp_rank": str(rank),
-             "pp_rank": "0", "tp_rank": "0"}
-    values = {**extra, **base}
-    return [",".join(f'{name}="{values[name]}"' for name in spec.labels)]
+    """Label sets of one rank's series of `spec` (one op/group, three phases; for a GPU, every
+    throttle reason and both ECC error types)."""
+    values = {"run": RUN, "rank": str(rank), "op": "all_reduce", "group": "default_pg",
+              "node": f"node{node}", "gpu": str(rank % 8), "uuid": f"GPU-{rank}",
+              "name": "NVIDIA H100 80GB HBM3", "local_rank": str(rank % 8),
+              "world_size": "16384", "pid": str(10000 + rank), "dp_rank": str(rank),
+              "pp_rank": "0", "tp_rank": "0"}
+    sets = [""]
+    for name in spec.labels:
+        choices = MULTI_VALUED[name] if name in MULTI_VALUED else (values[name],)
+        sets = [f'{head},{name}="{v}"' if head else f'{name}="{v}"'
+                for head in sets for v in choices]
+    return sets
 
 
-def rank_specs(flops: bool = False) -> list[schema.MetricSpec]:
+def gpu_specs() -> list[schema.MetricSpec]:
+    """Per-GPU series the sidecar publishes for a healthy GPU (NVML), but its NVLink error
+    counters (4 per active link: 72 for an H100's 18 links) and the peak (--flops)."""
+    return [m for m in schema.all_metrics()
+            if m.source is schema.Source.SIDECAR and "gpu" in m.labels and "rank" not in m.labels
+            and m.default_on and not m.on_event and m not in (
+                schema.GPU_NVLINK_ERRORS, schema.GPU_XID_ERRORS, schema.GPU_PEAK_FLOPS)]
+
+
+def rank_specs(flops: bool = False, gpu_series: bool = False) -> list[schema.MetricSpec]:
     """Per-rank metrics a healthy CPU rank publishes by default (no CUDA memory, no hook errors,
     nothing that appears only after an event: a spike, a stop, an exit, a normal end);
     with `flops`, also the FLOP counter of watch(flops_per_step=), the peak of the rank's GPU
     (one GPU per rank, so the sidecar's per-GPU peak counts here as one series per rank) and the
     same peak as the sidecar publishes it for the rank."""
+    if gpu_series:
+        return [*rank_specs(flops), *gpu_specs()]
     if flops:
         return [*rank_specs(), schema.MODEL_FLOPS, schema.GPU_PEAK_FLOPS,
                 schema.RANK_GPU_PEAK_FLOPS]
@@ -96,11 +119,12 @@ def rank_specs(flops: bool = False) -> list[schema.MetricSpec]:
             and m.source in (schema.Source.RANK, schema.Source.SIDECAR)]
 
 
-def shard_template(ranks: range, flops: bool = False) -> str:
+def shard_template(ranks: range, flops: bool = False, gpu_series: bool = False) -> str:
     lines = []
+    specs = rank_specs(flops, gpu_series)
     for rank in ranks:
         node = rank // 8
-        for spec in rank_specs(flops):
+        for spec in specs:
             for labels in _labels(spec, rank, node):
                 for sample in spec.sample_names():
                     key = SAMPLE_KEYS.get(sample, "one")
@@ -115,8 +139,9 @@ def shard_template(ranks: range, flops: bool = False) -> str:
 class Exporter:
     """Serves /shard/<i> for every shard; values advance with wall time (1 step per second)."""
 
-    def __init__(self, ranks: int, per_target: int, flops: bool = False) -> None:
-        self.templates = [shard_template(range(i, min(i + per_target, ranks)), flops)
+    def __init__(self, ranks: int, per_target: int, flops: bool = False,
+                 gpu_series: bool = False) -> None:
+        self.templates = [shard_template(range(i, min(i + per_target, ranks)), flops, gpu_series)
                           for i in range(0, ranks, per_target)]
         self.series = sum(t.count("\n") for t in self.templates)
         self.start = time.time()
@@ -382,14 +407,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rank-shards", type=int, default=1, metavar="N",
                         help="evaluate the rules as `robust-metrics rules --rank-shards N` "
                              "renders them: per-rank rules split over N groups of ranks")
+    parser.add_argument("--gpu-series", action="store_true",
+                        help="every rank has its own GPU, and its sidecar serves the series NVML "
+                             "gives for a healthy GPU (all but the NVLink counters): the GPU "
+                             "rules read them")
     parser.add_argument("--flops", action="store_true",
                         help="ranks count model FLOPs (watch(flops_per_step=)) and GPUs have a "
                              "peak: the MFU rules get input and the per-rank cost of MFU shows")
     args = parser.parse_args(argv)
     args.groups = rule_shards.shard_by_rank(rules.load_groups(), args.rank_shards)
 
-    with tempfile.TemporaryDirectory() as tmp, Exporter(args.ranks, args.per_target,
-                                                               args.flops) as exporter:
+    with tempfile.TemporaryDirectory() as tmp, Exporter(args.ranks, args.per_target, args.flops,
+                                                        args.gpu_series) as exporter:
         print(f"exporter: {args.ranks} ranks, {exporter.series} series "
               f"({exporter.series / args.ranks:.1f} per rank), {len(exporter.templates)} targets",
               flush=True)
