@@ -17,6 +17,8 @@ stage) scraped every 15 s for 45 minutes:
 | 24 | rank 4's hook counts a loss spike; at 24.5 every rank counts a gradient-norm spike |
 | 30-33 | every rank in the `checkpoint` phase: no steps, nothing may fire |
 | 35 | GPU 2 of node 1 (rank 6) reports XID 79 |
+| 36- | GPU 1 of node 1 (rank 5): an uncorrectable ECC error, a failed row remap, thermal |
+|     | throttling, and lost to NVML |
 | 40- | rank 2 hangs outside a collective: the others wait in the next one, nobody steps; its |
 |     | process is stopped (state T) |
 | 43- | rank 7's process exits without a normal end (its exit time is published) |
@@ -46,6 +48,7 @@ SLOW_RANK, NAN_RANK, HUNG_RANK, XID_RANK, EXIT_RANK = 3, 1, 2, 6, 7
 SLOW_FROM, NAN_AT, CKPT, XID_AT, HANG_AT = 20 * 60, 23 * 60, (30 * 60, 33 * 60), 35 * 60, 40 * 60
 EXIT_AT, RESTART_AT = 43 * 60, 44 * 60
 SPIKE_RANK, LOSS_SPIKE_AT, NORM_SPIKE_AT = 4, 24 * 60, 24 * 60 + 30
+GPU_FAULT_RANK, GPU_FAULT_AT = 5, 36 * 60
 FLOPS_PER_STEP, PEAK_FLOPS = 4e14, 989e12  # every rank counts model FLOPs; H100 bf16 dense peak
 
 
@@ -133,7 +136,12 @@ def _rank_samples(rank: int, s: _Rank, t0: float, elapsed: float
     yield "robust_gpu_peak_flops", {"node": gpu["node"], "gpu": gpu["gpu"]}, PEAK_FLOPS
     yield "robust_rank_gpu_peak_flops", base, PEAK_FLOPS
     yield "robust_gpu_info", {**gpu, "name": "H100"}, 1
-    yield "robust_gpu_lost", {"node": gpu["node"], "gpu": gpu["gpu"]}, 0
+    faulty = float(rank == GPU_FAULT_RANK and elapsed >= GPU_FAULT_AT)
+    device = {"node": gpu["node"], "gpu": gpu["gpu"]}
+    yield "robust_gpu_lost", device, faulty
+    yield "robust_gpu_ecc_errors_total", {**device, "type": "uncorrected"}, faulty
+    yield "robust_gpu_row_remap_failure", device, faulty
+    yield "robust_gpu_clock_throttle", {**device, "reason": "hw_thermal_slowdown"}, faulty
     xid = {"node": gpu["node"], "gpu": gpu["gpu"], "xid": "79"}
     yield "robust_gpu_xid_errors_total", xid, float(rank == XID_RANK and elapsed >= XID_AT)
 

@@ -1,9 +1,9 @@
 """The shipped rules mean the same on Prometheus and on VictoriaMetrics.
 
 One recorded data set (tests/rules_replay.py: a healthy stretch, a slow rank, a NaN loss, spikes,
-a checkpoint phase, an XID, a hung and stopped rank, a rank that exits) is remote-written into a
-real Prometheus 2.42 and a real VictoriaMetrics 1.79; every recording rule and alert is evaluated
-on both at the same instants (every 30 s), and the outputs are compared:
+a checkpoint phase, an XID, a faulty GPU, a hung and stopped rank, a rank that exits) is
+remote-written into a real Prometheus 2.42 and a real VictoriaMetrics 1.79; every recording rule
+and alert is evaluated on both at the same instants (every 30 s), and the outputs are compared:
 
 - every alert names the same culprits on both engines, and nothing fires on either while the run
   is healthy or checkpointing;
@@ -108,6 +108,8 @@ def test_each_fault_names_its_culprit_and_nothing_else_fires(traces: dict[str, o
     assert seen.pop("NonFiniteLoss") == {str(rr.NAN_RANK)}
     assert seen.pop("NonFiniteGradients") == {None}
     assert seen.pop("GPUXidCritical") == {str(rr.XID_RANK)}
+    for alert in ("GPUEccUncorrectable", "GPURowRemapFailure", "GPUThermalThrottle", "GPULost"):
+        assert seen.pop(alert) == {str(rr.GPU_FAULT_RANK)}, alert
     assert seen.pop("RankHang") == {str(rr.HUNG_RANK)}
     assert seen.pop("RankExited") == {str(rr.EXIT_RANK)}
     assert seen.pop("LossSpike") == {None}
