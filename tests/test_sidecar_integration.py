@@ -282,3 +282,46 @@ def test_real_nvml_where_a_gpu_exists() -> None:
         assert temp is None or 0 < temp < 120
     finally:
         collector.close()
+
+
+@pytest.mark.gpu
+def test_a_rank_on_a_real_gpu_gets_that_gpus_peak(tmp_path: Path) -> None:
+    """This process plays a rank that counts FLOPs and holds a CUDA context on GPU 0: the
+    sidecar publishes the peak of the GPU NVML sees it on (GPU 0 by its local rank where the
+    container hides its pid)."""
+    import json
+
+    from prometheus_client import CollectorRegistry
+
+    from robust_metrics import schema
+    from robust_metrics.hooks.sinks import MultiprocessSink
+    from robust_metrics.hooks.store import MetricStore
+    from robust_metrics.sidecar.collector import ScrapeRegistry
+    from robust_metrics.sidecar.collectors.nvml import NvmlCollector
+    from robust_metrics.sidecar.gpu_peaks import peak_flops
+    from robust_metrics.sidecar.rankdir import RankFolder
+
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch sees no CUDA device")
+    held = torch.ones(1, device="cuda:0")  # a CUDA context: NVML lists this process on GPU 0
+    store = MetricStore({"run": "gpu", "rank": "0"})
+    store.series(schema.MODEL_FLOPS).inc(1e12)
+    MultiprocessSink(str(tmp_path)).flush(store)
+    (tmp_path / "ranks").mkdir()
+    (tmp_path / "ranks" / f"{os.getpid()}.json").write_text(json.dumps(
+        {"run": "gpu", "rank": 0, "local_rank": 0, "pid": os.getpid(), "started": time.time() - 1}))
+    folder = RankFolder(str(tmp_path), cache_seconds=0)
+    collector = NvmlCollector("gpu-node", folder, xid_events=False)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(ScrapeRegistry({"nvml": collector}))  # type: ignore[arg-type]
+    try:
+        expected = peak_flops(torch.cuda.get_device_name(0), "bf16")
+        if expected is None:
+            pytest.skip(f"{torch.cuda.get_device_name(0)} has no bf16 peak in the table")
+        peak = registry.get_sample_value("robust_rank_gpu_peak_flops", {"run": "gpu", "rank": "0"})
+        assert peak == expected, (peak, torch.cuda.get_device_name(0))
+    finally:
+        collector.close()
+        folder.close()
+        del held
