@@ -48,6 +48,17 @@ def test_promtool_unit_tests_pass() -> None:
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
 
 
+@pytest.mark.parametrize("test_file", TESTS, ids=lambda p: p.name)
+def test_unit_tests_evaluate_groups_in_file_order(test_file: Path) -> None:
+    """Without group_eval_order promtool evaluates groups in a random order, and a rule reading
+    another group's record sees this evaluation's value in one run and the last one in the
+    next: a unit test must not pass or fail by chance. Every group of its rule files, in order."""
+    spec = yaml.safe_load(test_file.read_text())
+    groups = [g["name"] for f in spec["rule_files"]
+              for g in yaml.safe_load((test_file.parent / f).read_text())["groups"]]
+    assert spec.get("group_eval_order") == groups
+
+
 @pytest.mark.parametrize("scale", [1.0, 1 / 15, 4.0])
 def test_rendered_rules_pass_promtool(tmp_path: Path, scale: float) -> None:
     promtool = require_binary("promtool")
