@@ -177,7 +177,7 @@ def callback_costs() -> dict[str, float]:
     timer = handle.tracker.timer
 
     def step_end() -> None:
-        handle._losses.add(loss, explicit=False)
+        handle._losses.add(loss, source=handle._losses.CAPTURED)
         handle._grad_norm_from_clip = norm
         handle._on_step_end(optimizer, (), {})
 

@@ -183,6 +183,13 @@ NONFINITE_LOSS = _declare(
 NONFINITE_GRAD = _declare(
     "robust_nonfinite_grad_steps_total", C, "Steps whose gradient norm was NaN or infinite."
 )
+SKIPPED_STEPS = _declare(
+    "robust_skipped_steps_total", C,
+    "Steps whose update the GradScaler skipped because its scaled gradients overflowed (inf or "
+    "NaN); each is also a step of robust_steps_total. A storm of them means the loss scale is "
+    "collapsing. Published only by ranks that step through a torch.amp.GradScaler.",
+    default_on=False,
+)
 LOSS_SPIKES = _declare(
     "robust_loss_spikes_total", C,
     "Steps whose loss exceeded this rank's running mean by 6 standard deviations plus 10% "

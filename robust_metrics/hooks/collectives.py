@@ -1,40 +1,50 @@
 """Collective timing: count, seconds and bytes per op kind and process group, and time blocked.
 
-Two entry points see every collective of a typical job, and neither replaces DDP's own C++
-all-reduce with Python:
-- the `torch.distributed` functions (`all_reduce`, `all_gather_into_tensor`, `send`, ...), wrapped
-  while a watch is active, for sync and `async_op=True` calls (FSDP, pipeline p2p, user code);
-- DDP's gradient reduction, seen from two points per step (`robust_metrics.hooks.timing.DdpProbe`):
-  when the last gradient DDP reduces is ready and when backward returns.
+One timing model for every parallelism. Collectives reach a process group by four paths, and each
+is seen where it is issued and where it is waited for, never by wrapping what it returns (FSDP2
+checks `isinstance(work, Work)`):
+- the `torch.distributed` functions (`all_reduce`, `all_gather_single`, `reduce_scatter_single`,
+  `isend`, ...), wrapped while a watch is active: FSDP2, pipeline send/recv and
+  `batch_isend_irecv`, user code. A call that nests another (`all_gather_into_tensor` calls
+  `all_gather_single`) counts once;
+- `Work.wait`, patched on the class: an async collective blocks its caller only there;
+- the functional collectives behind DTensor and tensor parallelism (`hooks/funcol.py`): issued
+  by `funcol.all_reduce`, `funcol.all_gather_single`, ..., waited for in `funcol.wait_tensor`;
+- DDP's gradient reduction, C++ only, seen from two points per step
+  (`robust_metrics.hooks.timing.DdpProbe`).
 
 Time *blocked* is what separates a straggler from its victims: in a synchronous collective the slow
-rank waits least. A rank is blocked for the whole of a sync call, for the time inside `Work.wait()`
-of an async call, and, for DDP, from its last gradient being ready to backward returning. These
-intervals are marks of the step's `StepTimer` (host clock on the CPU, CUDA events on the current
-stream on GPUs), so on NCCL they measure the time the compute stream waited, not the enqueue.
+rank waits least. A rank is blocked for the whole of a sync call, for the time inside a wait of an
+async one, and, for DDP, from its last gradient being ready to backward returning. These intervals
+are marks of the step's `StepTimer` (host clock on the CPU, CUDA events on the current stream on
+GPUs), so on NCCL they measure the time the stream waited, not the enqueue.
 
-Per-collective durations: on the host, launch to completion (the call's return, or the async
-work's future); on NCCL, from the process group's completion hook (`TORCH_NCCL_ENABLE_TIMING=1`
-for device-side durations), which also sees each of DDP's buckets. There the process group's own
-sequence number counts the collectives entered, DDP's included, and the completion hook counts
-those completed: a rank whose count entered lags never launched the collective (a CPU-side hang),
-one whose completed count lags launched it and the device never finished it.
+Per-collective durations: on the host, launch to completion (the call's return, the async work's
+future, or, for works without one such as gloo's send/recv, the end of its wait); on NCCL, from the
+process group's completion hook (`TORCH_NCCL_ENABLE_TIMING=1` for device-side durations), which
+also sees DDP's buckets and every functional collective. There the process group's own sequence
+number counts the collectives entered, and the completion hook counts those completed: a rank whose
+count entered lags never launched the collective (a CPU-side hang), one whose completed count lags
+launched it and the device never finished it. Inside `torch.compile`d code every wrapper steps
+aside (compiled graphs issue their collectives themselves): no graph break, no recompilation.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from robust_metrics.hooks.timing import HostClock, StepTimer
 
-__all__ = ["OP_KINDS", "CollectiveTracker", "group_label"]
+__all__ = ["OP_KINDS", "CollectiveTracker", "compiling", "group_label"]
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +63,12 @@ OP_KINDS: dict[str, str] = {
     "gather": "gather",
     "scatter": "scatter",
     "barrier": "barrier",
+    "all_gather_single": "all_gather",
+    "_all_gather_base": "all_gather",
+    "all_gather_coalesced": "all_gather",
+    "reduce_scatter_single": "reduce_scatter",
+    "_reduce_scatter_base": "reduce_scatter",
+    "all_reduce_coalesced": "all_reduce",
     "send": "send",
     "isend": "send",
     "recv": "recv",
@@ -84,6 +100,80 @@ def _payload_bytes(value: Any) -> int:
     return 0
 
 
+def compiling() -> bool:
+    """True while `torch.compile` traces: wrappers then call straight through (Dynamo folds
+    this to a constant, so a wrapper adds no graph break)."""
+    import torch
+
+    return torch.compiler.is_compiling()
+
+
+def _positions(fn: Callable[..., Any], name: str) -> int | None:
+    """The positional index of parameter `name` of `fn`, found once when a function is wrapped."""
+    try:
+        names = list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return None
+    return names.index(name) if name in names else None
+
+
+def _argument(args: tuple[Any, ...], kwargs: dict[str, Any], name: str, at: int | None) -> Any:
+    if name in kwargs:
+        return kwargs[name]
+    return args[at] if at is not None and at < len(args) else None
+
+
+@dataclass
+class _Launch:
+    """One collective entered: its kind, group, host start, timer mark, and whether counted done."""
+
+    op: str
+    group: str
+    started: float
+    begin: Any
+    done: bool = False
+
+
+class _CallScope(threading.local):
+    """Per-thread depth of wrapped calls: only the outermost call of a nest is accounted."""
+
+    depth = 0
+
+    @property
+    def inside(self) -> bool:
+        return self.depth > 0
+
+    def __enter__(self) -> None:
+        self.depth += 1
+
+    def __exit__(self, *exc: object) -> None:
+        self.depth -= 1
+
+
+class _Pending:
+    """Launches awaiting their wait, by the id of their work or tensor; bounded, so works that are
+    never waited for (fire and forget) cannot grow memory: the oldest is dropped."""
+
+    def __init__(self, limit: int = 4096) -> None:
+        self._lock = threading.Lock()
+        self._items: OrderedDict[int, _Launch] = OrderedDict()
+        self._limit = limit
+
+    def add(self, key: int, launch: _Launch) -> None:
+        with self._lock:
+            self._items[key] = launch
+            self._items.move_to_end(key)
+            while len(self._items) > self._limit:
+                self._items.popitem(last=False)
+
+    def pop(self, key: int) -> _Launch | None:
+        with self._lock:
+            return self._items.pop(key, None)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
 @dataclass
 class _Stats:
     count: int = 0
@@ -111,6 +201,11 @@ class CollectiveTracker:
         self.originals: dict[str, Callable[..., Any]] = {}
         self._seen_groups: set[int] = set()
         self._ddp_launched = False
+        self.calls = _CallScope()
+        self.pending = _Pending()
+        self._no_future: set[tuple[str, str]] = set()
+        # (op, group, begin mark, end mark) of each collective waited for: the what-if trace
+        self.on_span: Callable[[str, str, Any, Any], None] | None = None
 
     def watch_group(self, group: Any) -> None:
         """First use of a process group: an NCCL group gets the completion hook, because host
@@ -209,7 +304,8 @@ class CollectiveTracker:
 
     # -- torch.distributed functions ---------------------------------------------------------
     def patch(self) -> None:
-        """Wrap the torch.distributed collective functions for the life of the watch."""
+        """Wrap the torch.distributed collective functions and `Work.wait` for the watch's life,
+        and the functional collectives (DTensor, tensor parallelism; `hooks/funcol.py`)."""
         import torch.distributed as dist
         import torch.distributed.distributed_c10d as c10d
 
@@ -223,53 +319,118 @@ class CollectiveTracker:
                 if getattr(module, fn_name, None) is original:
                     self._patched[(module, fn_name)] = original
                     setattr(module, fn_name, wrapped)
+        work_class = c10d.Work
+        if not getattr(work_class.wait, "_robust_metrics", False):
+            self._patched[(work_class, "wait")] = work_class.wait
+            work_class.wait = self._wrap_wait(work_class.wait)
+        from robust_metrics.hooks import funcol
+
+        self._patched.update(funcol.patch(self))
 
     def unpatch(self) -> None:
         self.closed = True
-        for (module, fn_name), original in self._patched.items():
-            setattr(module, fn_name, original)
+        for (owner, fn_name), original in self._patched.items():
+            setattr(owner, fn_name, original)
         self._patched.clear()
 
     def _wrap(self, fn_name: str, op: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        """A torch.distributed function, counted once however its calls nest
+        (`all_gather_into_tensor` calls `all_gather_single`)."""
         tracker = self
         always_async = fn_name in _ASYNC_BY_DEFAULT
+        group_at, async_at = _positions(original, "group"), _positions(original, "async_op")
 
         @functools.wraps(original)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if tracker.closed or tracker.calls.inside or compiling():
+                return original(*args, **kwargs)
             try:
-                pg = kwargs.get("group")
+                pg = _argument(args, kwargs, "group", group_at)
                 if id(pg) not in tracker._seen_groups:
                     tracker.watch_group(pg)
-                group = group_label(pg)
-                nbytes = _payload_bytes(args[0]) if args else 0
-                started = tracker.launch(op, group, nbytes)
-                begin = tracker.timer.mark()
+                launch = tracker.enter(op, group_label(pg), _payload_bytes(args[0]) if args else 0)
             except Exception as exc:  # accounting must never break the collective
                 tracker._on_error("collectives", exc)
                 return original(*args, **kwargs)
-            result = original(*args, **kwargs)
+            with tracker.calls:
+                result = original(*args, **kwargs)
             try:
-                if result is None or not (always_async or kwargs.get("async_op")):
-                    tracker.timer.blocked(begin)
-                    tracker.complete(op, group, started)
-                    return result
-                return tracker._track_async(result, op, group, started)
+                if result is None or not (always_async or _argument(args, kwargs, "async_op",
+                                                                    async_at)):
+                    tracker.finish(launch)  # a sync call: the rank was blocked all along
+                else:
+                    tracker.pending_work(result, launch)
             except Exception as exc:
                 tracker._on_error("collectives", exc)
-                return result
+            return result
 
         wrapper._robust_metrics = True  # type: ignore[attr-defined]
         return wrapper
 
-    def _track_async(self, work: Any, op: str, group: str, started: float) -> Any:
-        future = work.get_future()
-        future.add_done_callback(
-            lambda _f: self._guarded(self.complete, op, group, started))
-        return _TimedWork(work, self)
+    def _wrap_wait(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        """`Work.wait` for every work object, so that code which checks
+        `isinstance(work, Work)` (FSDP2) still gets the real one: the time inside is blocked."""
+        tracker = self
 
-    def _guarded(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        @functools.wraps(original)
+        def wait(work: Any, *args: Any, **kwargs: Any) -> Any:
+            if tracker.closed or tracker.calls.inside or compiling():
+                return original(work, *args, **kwargs)
+            begin = tracker.timer.mark()
+            with tracker.calls:
+                result = original(work, *args, **kwargs)
+            tracker.guarded(tracker.waited, id(work), begin)
+            return result
+
+        wait._robust_metrics = True  # type: ignore[attr-defined]
+        return wait
+
+    # -- launches, waits and completions ---------------------------------------------------
+    def enter(self, op: str, group: str, nbytes: int) -> _Launch:
+        """A collective entered: counted, its bytes added, its start marked."""
+        return _Launch(op, group, self.launch(op, group, nbytes), self.timer.mark())
+
+    def finish(self, launch: _Launch, begin: Any = None) -> None:
+        """The caller waited for `launch` from `begin` (its start when None) until now."""
+        self.timer.blocked(launch.begin if begin is None else begin)
+        self.settle(launch)
+
+    def settle(self, launch: _Launch) -> None:
+        """Count `launch` completed, once, with the host time since it was entered."""
+        with self._lock:
+            if launch.done:
+                return
+            launch.done = True
+        self.complete(launch.op, launch.group, launch.started)
+        if self.on_span is not None:
+            self.on_span(launch.op, launch.group, launch.begin, self.timer.mark())
+
+    def pending_work(self, work: Any, launch: _Launch) -> None:
+        """An async `Work`: completed by its future where the backend has one (gloo
+        collectives), else when it is waited for (gloo send/recv have no future)."""
+        self.pending.add(id(work), launch)
+        kind = (launch.op, launch.group)
+        if kind in self._no_future:
+            return
         try:
-            fn(*args, **kwargs)
+            future = work.get_future()
+        except RuntimeError:  # "Work::getFuture not implemented": timed at its wait instead
+            self._no_future.add(kind)
+            log.info("robust-metrics: %s on %s has no future; timed when waited for", *kind)
+            return
+        future.add_done_callback(lambda _f: self.guarded(self.settle, launch))
+
+    def waited(self, key: int, begin: Any) -> None:
+        """A wait on a work or tensor ended: blocked since `begin`; its launch, if tracked,
+        completes now unless its future already said so."""
+        self.timer.blocked(begin)
+        launch = self.pending.pop(key)
+        if launch is not None:
+            self.settle(launch)
+
+    def guarded(self, fn: Callable[..., Any], *args: Any) -> None:
+        try:
+            fn(*args)
         except Exception as exc:
             self._on_error("collectives", exc)
 
@@ -305,24 +466,3 @@ class CollectiveTracker:
         with self._lock:
             self._groups_timed_by_hook[group] = (pg, base)
         return True
-
-
-class _TimedWork:
-    """Forwards to a `Work`; time spent in `wait()` counts as blocked."""
-
-    __slots__ = ("_tracker", "_work")
-
-    def __init__(self, work: Any, tracker: CollectiveTracker) -> None:
-        self._work = work
-        self._tracker = tracker
-
-    def wait(self, *args: Any, **kwargs: Any) -> Any:
-        timer = self._tracker.timer
-        begin = timer.mark()
-        try:
-            return self._work.wait(*args, **kwargs)
-        finally:
-            timer.blocked(begin)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._work, name)

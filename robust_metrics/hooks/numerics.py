@@ -12,7 +12,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["DeferredReader", "LossAccumulator", "SpikeDetector", "grad_norm_tensor"]
+__all__ = ["DeferredReader", "LossAccumulator", "SpikeDetector", "grad_norm_tensor",
+           "local_tensor"]
 
 
 class DeferredReader:
@@ -23,6 +24,7 @@ class DeferredReader:
         self._max_pending = max_pending
 
     def submit(self, tensor: Any, callback: Callable[[float], None]) -> None:
+        tensor = local_tensor(tensor)  # clip_grad_norm_ of DTensors returns one
         if not getattr(tensor, "is_cuda", False):
             callback(float(tensor))
             return
@@ -46,26 +48,31 @@ class DeferredReader:
 class LossAccumulator:
     """Sums the losses of the micro-steps of one optimizer step.
 
-    Losses passed explicitly (`handle.loss(...)`) win over those captured from `backward()`, so a
-    user with a scaled loss (AMP) can publish the unscaled one.
+    A loss has a source, and the step publishes those of the strongest source it saw: passed
+    explicitly (`handle.loss(...)`) over the one a GradScaler was asked to scale (unscaled, as the
+    user computed it) over the tensor `backward()` ran on (scaled under AMP).
     """
 
-    def __init__(self) -> None:
-        self._sums: dict[bool, Any] = {}
-        self._counts: dict[bool, int] = {True: 0, False: 0}
+    CAPTURED, SCALED, EXPLICIT = 0, 1, 2
 
-    def add(self, loss: Any, *, explicit: bool) -> None:
+    def __init__(self) -> None:
+        self._sums: dict[int, Any] = {}
+        self._counts: dict[int, int] = {}
+
+    def add(self, loss: Any, *, source: int) -> None:
         value = loss.detach() if hasattr(loss, "detach") else float(loss)
-        total = self._sums.get(explicit)
-        self._sums[explicit] = value if total is None else total + value
-        self._counts[explicit] += 1
+        total = self._sums.get(source)
+        self._sums[source] = value if total is None else total + value
+        self._counts[source] = self._counts.get(source, 0) + 1
 
     def take(self) -> tuple[Any, int] | None:
         """The summed loss (tensor or float) and its micro-step count; resets for the next step."""
-        kind = bool(self._counts[True])
-        result = (self._sums[kind], self._counts[kind]) if self._counts[kind] else None
+        result = None
+        if self._counts:
+            source = max(self._counts)
+            result = (self._sums[source], self._counts[source])
         self._sums.clear()
-        self._counts = {True: 0, False: 0}
+        self._counts.clear()
         return result
 
 
@@ -125,11 +132,25 @@ class SpikeDetector:
         return False
 
 
+def local_tensor(tensor: Any) -> Any:
+    """This rank's part of a DTensor (FSDP2, tensor parallel), the tensor itself otherwise.
+
+    Reading a sharded or partial DTensor as a whole would all-reduce it: a collective the hook
+    must never add. So under FSDP2 and tensor parallelism the gradient norm the hook publishes is
+    the norm of this rank's gradient shard, and a non-finite value is counted by the rank that
+    holds it.
+    """
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if to_local is not None else tensor
+
+
 def grad_norm_tensor(parameters: list[Any]) -> Any | None:
-    """Total L2 norm of the gradients as a 0-dim tensor (foreach norms, no host sync)."""
+    """L2 norm of this rank's gradients (shards, under FSDP2 or tensor parallelism) as a 0-dim
+    tensor: foreach norms, no host sync, no collective."""
     import torch
 
-    grads = [p.grad for p in parameters if p.grad is not None]
+    grads = [local_tensor(p.grad) for p in parameters if p.grad is not None]
+    grads = [g for g in grads if g.numel()]
     if not grads:
         return None
     by_device: dict[Any, list[Any]] = {}

@@ -43,6 +43,7 @@ from robust_metrics.hooks.timing import HostClock, TimingSource
 __all__ = ["TraceRecorder", "span"]
 
 _active: TraceRecorder | None = None
+_COLLECTIVE_OPTYPES = {"all_gather": "params-all-gather", "reduce_scatter": "grads-reduce-scatter"}
 
 
 class TraceRecorder:
@@ -92,13 +93,14 @@ class TraceRecorder:
         return mark
 
     # -- installation ----------------------------------------------------------------------------
-    def install(self, model: Any, optimizer: Any) -> list[Callable[[], None]]:
-        """Register the hooks; return the functions that remove them (call in reverse order)."""
+    def install(self, modules: list[Any], optimizer: Any) -> list[Callable[[], None]]:
+        """Register the hooks on every module a step runs (one, or a rank's pipeline stages);
+        return the functions that remove them (call in reverse order)."""
         import torch
 
         global _active
         undo: list[Callable[[], None]] = []
-        if model is not None:
+        for model in modules:
             for handle in (model.register_forward_pre_hook(self._guard(self._on_forward_pre)),
                            model.register_forward_hook(self._guard(self._on_forward))):
                 undo.append(handle.remove)
@@ -198,6 +200,13 @@ class TraceRecorder:
         """Write every pending sampled step whose marks are all reached, oldest first."""
         while self._pending and self._pending[0].reached(self.source):
             self._write(self._pending.pop(0).resolve(self.source))
+
+    def add_collective(self, op: str, group: str, began: Any, ended: Any) -> None:
+        """A collective the tracker saw: FSDP's parameter all-gathers and gradient
+        reduce-scatters are the what-if's data-parallel ops; others are not modelled."""
+        optype = _COLLECTIVE_OPTYPES.get(op)
+        if optype is not None:
+            self.add_span(optype, began, ended)
 
     def add_span(self, optype: str, began: Any, ended: Any) -> None:
         """Record a user-marked op (see `span`) in the current sampled step."""

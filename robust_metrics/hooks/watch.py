@@ -22,7 +22,8 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from robust_metrics import schema
-from robust_metrics.hooks.collectives import CollectiveTracker, group_label
+from robust_metrics.hooks import parallelism
+from robust_metrics.hooks.collectives import CollectiveTracker, compiling, group_label
 from robust_metrics.hooks.config import WatchOptions, valid_flops
 from robust_metrics.hooks.numerics import (
     DeferredReader,
@@ -66,8 +67,12 @@ class Watch:
     """Handle returned by `watch()`. Use as a context manager, or call `close()` at the end."""
 
     def __init__(self, model: Any, optimizer: Any, options: WatchOptions) -> None:
+        self.parallelism = parallelism.resolve(model)
+        # Topology the user gave wins; the rest comes from the DeviceMesh or pipeline stage.
+        options.topology = {**self.parallelism.topology, **options.topology}
         self.options = options
         self.model = model
+        self.modules = self.parallelism.modules
         self.optimizer = optimizer
         self.store = MetricStore({"run": options.run, "rank": str(options.rank)})
         self.global_step = options.start_step
@@ -89,6 +94,9 @@ class Watch:
         self._loss_spikes = SpikeDetector(relative=0.1)
         self._grad_norm_spikes = SpikeDetector(relative=0.5)
         self.tracker = CollectiveTracker(self._error)
+        self._steps_taken = 0  # optimizer steps seen by the post-hook: tells a skipped one
+        self._skipped_steps: Any = None  # robust_skipped_steps_total, once a GradScaler steps
+        self._skipping = False
         self._ddp_probe: Any = None
         self.control = ControlChannel(
             options.metrics_dir, options.checkpoint_signal if options.checkpoint else None,
@@ -165,7 +173,7 @@ class Watch:
 
     def _cuda_device(self) -> Any:
         with contextlib.suppress(Exception):
-            params = list(self.model.parameters()) if self.model is not None else []
+            params = list(self.modules[0].parameters()) if self.modules else []
             if params and params[0].is_cuda:
                 return params[0].device
         return None
@@ -178,9 +186,10 @@ class Watch:
             optimizer = unwrap_optimizer(self.optimizer)
             self._handles.append(optimizer.register_step_pre_hook(self._on_pre_step))
             self._handles.append(optimizer.register_step_post_hook(self._on_step_end))
-        if self.model is not None:
-            self._handles.append(self.model.register_forward_pre_hook(self._on_forward))
+        for module in self.modules:  # before FSDP2's own pre-forward (its all-gather)
+            self._handles.append(module.register_forward_pre_hook(self._on_forward, prepend=True))
         self._patch(torch.Tensor, "backward", self._wrap_backward)
+        self._install_grad_scaler()
         for module in (torch.nn.utils, torch.nn.utils.clip_grad):
             self._patch(module, "clip_grad_norm_", self._wrap_clip)
         if o.gc_pauses:
@@ -211,16 +220,17 @@ class Watch:
             return
         self.tracker.watch_group(None)  # the default group; others on their first collective
         ddp = torch_ddp_class()
-        if ddp is not None and isinstance(self.model, ddp):
-            self._install_ddp_probe()
+        wrapped = [m for m in self.modules if ddp is not None and isinstance(m, ddp)]
+        if wrapped:
+            self._install_ddp_probe(wrapped[0])
 
-    def _install_ddp_probe(self) -> None:
+    def _install_ddp_probe(self, model: Any) -> None:
         """DDP keeps its C++ all-reduce; its exposed tail is timed from two points per step."""
         from robust_metrics.hooks.timing import DdpProbe
 
-        tracker, group = self.tracker, group_label(self.model.process_group)
-        tracker.watch_group(self.model.process_group)  # NCCL: its buckets by completion hook
-        probe = DdpProbe(self.model, tracker.timer, on_error=self._error,
+        tracker, group = self.tracker, group_label(model.process_group)
+        tracker.watch_group(model.process_group)  # NCCL: its buckets by completion hook
+        probe = DdpProbe(model, tracker.timer, on_error=self._error,
                          on_launch=lambda: tracker.ddp_launch(group),
                          on_window=lambda ready, end: tracker.ddp_reduction(
                              group, probe.nbytes, ready, end))
@@ -236,7 +246,8 @@ class Watch:
             trace_dir=str(o.trace_dir), every=o.trace_every, steps=o.trace_steps, rank=o.rank,
             topology=o.topology, on_error=self._error, current_step=lambda: self.global_step,
             source=tracker.timer.source, ddp_window=lambda: tracker.timer.last_window)
-        self._restore.extend(recorder.install(self.model, self.optimizer))
+        self._restore.extend(recorder.install(self.modules, self.optimizer))
+        tracker.on_span = recorder.add_collective
 
     # -- hooks -----------------------------------------------------------------------------
     def _wrap_backward(self, original: Callable[..., Any]) -> Callable[..., Any]:
@@ -253,7 +264,7 @@ class Watch:
     @_guard("loss")
     def _capture_loss(self, tensor: Any) -> None:
         if tensor.dim() == 0 and tensor.is_floating_point():
-            self._losses.add(tensor, explicit=False)
+            self._losses.add(tensor, source=LossAccumulator.CAPTURED)
 
     def _wrap_clip(self, original: Callable[..., Any]) -> Callable[..., Any]:
         watch = self
@@ -266,8 +277,74 @@ class Watch:
 
         return clip_grad_norm_
 
+    def _install_grad_scaler(self) -> None:
+        """A step the GradScaler skips (its scaled gradients overflowed) is still a step of the
+        loop: counted, timed and published, so the step count, step time and hang age follow the
+        loop, and a collapsing loss scale shows as robust_skipped_steps_total. The loss it is
+        asked to scale is published unscaled."""
+        try:
+            from torch.amp import GradScaler
+        except Exception:
+            return
+        self._patch(GradScaler, "step", self._wrap_scaler_step)
+        self._patch(GradScaler, "scale", self._wrap_scaler_scale)
+
+    def _wrap_scaler_step(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        watch = self
+
+        @functools.wraps(original)
+        def step(scaler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+            if watch._closed or not watch._steps_through(scaler, optimizer):
+                return original(scaler, optimizer, *args, **kwargs)
+            before = watch._steps_taken
+            result = original(scaler, optimizer, *args, **kwargs)
+            if watch._steps_taken == before:  # the optimizer's step never ran: skipped
+                watch._on_skipped_step(optimizer)
+            return result
+
+        return step
+
+    @_guard("grad_scaler")
+    def _steps_through(self, scaler: Any, optimizer: Any) -> bool:
+        """True when `scaler` is enabled and steps the watched optimizer; creates the counter."""
+        if self.optimizer is None or not scaler.is_enabled():
+            return False
+        if unwrap_optimizer(optimizer) is not unwrap_optimizer(self.optimizer):
+            return False
+        if self._skipped_steps is None:
+            self._skipped_steps = self.store.series(schema.SKIPPED_STEPS)
+        return True
+
+    @_guard("grad_scaler")
+    def _on_skipped_step(self, optimizer: Any) -> None:
+        self._skipped_steps.inc()
+        self._skipping = True
+        try:
+            self._on_step_end(optimizer, (), {})
+        finally:
+            self._skipping = False
+
+    def _wrap_scaler_scale(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        watch = self
+
+        @functools.wraps(original)
+        def scale(scaler: Any, outputs: Any) -> Any:
+            if not watch._closed:
+                watch._capture_unscaled_loss(scaler, outputs)
+            return original(scaler, outputs)
+
+        return scale
+
+    @_guard("loss")
+    def _capture_unscaled_loss(self, scaler: Any, outputs: Any) -> None:
+        if (scaler.is_enabled() and hasattr(outputs, "dim") and outputs.dim() == 0
+                and outputs.is_floating_point()):
+            self._losses.add(outputs, source=LossAccumulator.SCALED)
+
     @_guard("forward")
     def _on_forward(self, module: Any, inputs: Any) -> None:
+        if compiling():  # a compiled module traces its hooks: stay out of the graph
+            return
         if self._awaiting_forward:
             self._awaiting_forward = False
             now = time.perf_counter()
@@ -287,6 +364,7 @@ class Watch:
 
     @_guard("step")
     def _on_step_end(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self._steps_taken += 1
         now = time.perf_counter()
         started = self._last_step_end if self._last_step_end is not None else now
         duration = now - started
@@ -332,7 +410,7 @@ class Watch:
             else:
                 self._record_loss(float(total) / count)
         norm, self._grad_norm_from_clip = self._grad_norm_from_clip, None
-        if norm is not None:
+        if norm is not None and not self._skipping:  # an overflow the scaler skipped: not NaN
             if hasattr(norm, "detach"):
                 self._reader.submit(norm, self._record_grad_norm)
             else:
@@ -401,7 +479,7 @@ class Watch:
     def loss(self, value: Any) -> None:
         """Publish this micro-step's loss explicitly (wins over the loss captured from backward)."""
         try:
-            self._losses.add(value, explicit=True)
+            self._losses.add(value, source=LossAccumulator.EXPLICIT)
         except Exception as exc:
             self._error("loss", exc)
 
