@@ -147,7 +147,9 @@ def spawn(argv: Sequence[str], *, log_path: Path | None = None, env: Mapping[str
 
 def stop_process_group(proc: subprocess.Popen[Any], timeout: float = 10.0) -> None:
     """SIGTERM the process's group (it was started with `start_new_session=True`), wait, then
-    SIGKILL what is left of the group; returns once the process is reaped."""
+    SIGKILL what is left of the group; returns once the process is reaped and no live member
+    of its group is left (a signal is delivered when its target next runs, which on a loaded
+    machine is not at once), or after `timeout` more seconds."""
     if proc.poll() is None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)
@@ -158,8 +160,19 @@ def stop_process_group(proc: subprocess.Popen[Any], timeout: float = 10.0) -> No
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=timeout)
     # The leader is gone; children that ignored SIGTERM (or were never sent it) go too.
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
+    _kill_group_and_wait(proc, timeout)
+
+
+def _kill_group_and_wait(proc: subprocess.Popen[Any], timeout: float) -> None:
+    """SIGKILL the group of a reaped leader while it may still hold members of ours, wait until
+    none of them is alive, then forget the process."""
+    if _group_left(proc):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        deadline = time.monotonic() + timeout
+        while _group_members(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    _forget_if_gone(proc)
 
 
 def leftovers() -> list[str]:
@@ -167,7 +180,8 @@ def leftovers() -> list[str]:
     import psutil
 
     with _STARTED_LOCK:
-        groups = {p.pid for p in _STARTED if p.poll() is None or _group_alive(p.pid)}
+        started = list(_STARTED)
+    groups = {p.pid for p in started if not _forget_if_gone(p)}
     alive = []
     for proc in psutil.process_iter(["pid", "status", "cmdline"]):
         try:
@@ -183,18 +197,68 @@ def kill_leftovers() -> None:
     with _STARTED_LOCK:
         started = list(_STARTED)
     for proc in started:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=10)
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=10)
+        _kill_group_and_wait(proc, 10.0)
 
 
-def _group_alive(pgid: int) -> bool:
+def _tracked(proc: subprocess.Popen[Any]) -> bool:
+    with _STARTED_LOCK:
+        return any(p is proc for p in _STARTED)
+
+
+def _group_left(proc: subprocess.Popen[Any]) -> bool:
+    """Whether the group `proc` leads may still have live members: the leader runs, or it is
+    reaped and some live process has its pid as group id while the pid itself is free.
+
+    While a member of the leader's group lives, the kernel keeps the leader's pid reserved; a
+    reaped leader no longer has /proc/<pid>. So a process or thread there took the pid after
+    the group ended, and any group of that id now is someone else's.
+    """
+    if proc.poll() is None:
+        return True
+    return not os.path.exists(f"/proc/{proc.pid}") and bool(_group_members(proc.pid))
+
+
+def _forget_if_gone(proc: subprocess.Popen[Any]) -> bool:
+    """Forget a started process once it is reaped and its group has no live member; True when
+    it is forgotten (now or before).
+
+    Its pid is free from then on, and Linux hands pids out again soon (pid_max is 32,768 on
+    many machines and every thread of a torch rank takes one): kept, the old pid would make a
+    later, unrelated process group (another test session's, say) look like ours, to be listed
+    by `leftovers()` and killed by `kill_leftovers()`.
+    """
+    if not _tracked(proc):
+        return True
+    if _group_left(proc):
+        return False
+    with _STARTED_LOCK, contextlib.suppress(ValueError):
+        _STARTED.remove(proc)
+    return True
+
+
+def _group_members(pgid: int) -> list[int]:
+    """Pids of the live (not zombie) processes in process group `pgid`."""
+    import psutil
+
     try:
         os.killpg(pgid, 0)
-    except (ProcessLookupError, PermissionError):
-        return False
-    return True
+    except ProcessLookupError:
+        return []  # no process at all, zombies included
+    except PermissionError:
+        pass  # a member we may not signal: look closer
+    members = []
+    for proc in psutil.process_iter(["status"]):
+        try:
+            if os.getpgid(proc.pid) == pgid and proc.info["status"] != psutil.STATUS_ZOMBIE:
+                members.append(proc.pid)
+        except (ProcessLookupError, psutil.Error):
+            continue
+    return members
 
 
 # ---------------------------------------------------------------------- services
@@ -463,11 +527,13 @@ class RankJob:
 
     def kill(self) -> None:
         for p in self.procs:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(p.pid, signal.SIGKILL)
+            if p.poll() is None:  # a reaped rank's pid may be another process's by now
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(p.pid, signal.SIGKILL)
         for p in self.procs:
             with contextlib.suppress(Exception):
                 p.wait(timeout=10)
+            _kill_group_and_wait(p, 10.0)
 
     def __enter__(self) -> RankJob:
         return self

@@ -56,11 +56,46 @@ def test_a_session_that_stops_its_processes_passes(tmp_path: Path) -> None:
     assert "still alive" not in result.stdout
 
 
+def _pids(lines: list[str]) -> set[int]:
+    return {int(line.split()[0]) for line in lines}
+
+
 def test_leftovers_sees_a_child_of_a_stopped_leader() -> None:
-    proc = processes.spawn(["sh", "-c", "sleep 300 & exit 0"])
+    # The child is known by its pid, not by its command line: that reads empty while the child
+    # is inside execve, and "sh -c ..." before it.
+    proc = processes.spawn(["sh", "-c", "sleep 300 & echo $!"], stdout=subprocess.PIPE)
+    assert proc.stdout is not None
+    child = int(proc.stdout.readline())
+    proc.stdout.close()
     proc.wait(timeout=10)
     try:
-        assert any("sleep 300" in line for line in processes.leftovers())
+        assert child in _pids(processes.leftovers())
     finally:
         processes.stop_process_group(proc)  # the leader is gone: its group is killed anyway
-    assert not any("sleep 300" in line for line in processes.leftovers())
+    # SIGKILL takes effect when its target next runs: stop returns once the group is gone.
+    assert child not in _pids(processes.leftovers())
+    assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
+
+
+def test_a_stopped_group_is_forgotten() -> None:
+    proc = processes.spawn(["true"])
+    proc.wait(timeout=10)
+    processes.leftovers()
+    assert all(p is not proc for p in processes._STARTED)
+
+
+def test_a_reused_pid_does_not_make_another_group_ours() -> None:
+    """Linux hands a free pid out again (pid_max is 32,768 on many machines); a recorded leader
+    whose pid names another session's process now must not make that session a leftover."""
+    stranger = subprocess.Popen(["sleep", "301"], start_new_session=True)
+    proc = processes.spawn(["true"])
+    proc.wait(timeout=10)
+    proc.pid = stranger.pid  # stands for the kernel giving the reaped leader's pid to `stranger`
+    try:
+        assert stranger.pid not in _pids(processes.leftovers())
+        assert all(p is not proc for p in processes._STARTED)
+        processes.stop_process_group(proc)
+        assert stranger.poll() is None, "stopping a reaped leader killed a group it did not lead"
+    finally:
+        stranger.kill()
+        stranger.wait(timeout=10)
