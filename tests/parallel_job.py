@@ -47,7 +47,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--reshard-after-forward", choices=("true", "false"), default="true")
     a("--sequence-parallel", action="store_true")
     a("--amp-skip-every", type=int, default=0)
-    a("--compile", action="store_true")
+    a("--compile", action="store_true", help="ddp: DDP around a torch.compile'd model")
     a("--heavy-last-stage", type=int, default=1)
     a("--stop-rank", type=int, default=-1)
     a("--stop-step", type=int, default=20)
@@ -86,8 +86,8 @@ class Block(nn.Module):
         self.pace = pace
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = Sleep.apply(x, self.pace)
-        return x + self.down(torch.relu(self.up(self.norm(x))))
+        out = x + self.down(torch.relu(self.up(self.norm(x))))
+        return Sleep.apply(out, self.pace)  # on the output: its backward runs in every block
 
 
 class Model(nn.Module):
@@ -130,7 +130,10 @@ class Job:
     def _build_ddp(self) -> None:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        self.model = DDP(Model(self.args.width, self.args.blocks, self.pace))
+        inner = Model(self.args.width, self.args.blocks, self.pace)
+        if self.args.compile:  # DDP around a compiled model
+            inner.compile()
+        self.model = DDP(inner)
         self.watched = self.model
 
     def _build_fsdp2(self, mesh: object = None) -> None:
@@ -156,14 +159,13 @@ class Job:
         self.model = self.watched = model
 
     def _parallelize(self, model: nn.Module, mesh: object) -> None:
+        from torch.distributed.tensor import Shard
         from torch.distributed.tensor.parallel import (
             ColwiseParallel,
             RowwiseParallel,
             SequenceParallel,
             parallelize_module,
         )
-
-        from torch.distributed.tensor import Shard
 
         sp = self.args.sequence_parallel  # activations [batch, sequence, width], sequence sharded
         for layer in model.layers:
@@ -283,8 +285,6 @@ def main(argv: list[str] | None = None) -> None:
     dist.init_process_group("gloo")
     job = Job(args)
     optimizer = torch.optim.AdamW(job.model.parameters(), lr=1e-3)
-    if args.compile:
-        job.model.compile(fullgraph=args.stack == "ddp")
     handle = robust_metrics.watch(job.watched, optimizer)
     generator = torch.Generator().manual_seed(1234)  # the same batch on every rank
     if job.rank == args.slow_rank:

@@ -117,6 +117,33 @@ def _positions(fn: Callable[..., Any], name: str) -> int | None:
     return names.index(name) if name in names else None
 
 
+_PEER_ARGUMENTS = ("dst", "src", "group_dst", "group_src")
+
+
+def _pair_label(pg: Any, group: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+                peer_at: dict[str, int | None]) -> str:
+    """Where a send or receive counts as entered: the pair of global ranks it connects, within its
+    group (`pp:0-1`). A pipeline stage sends and receives more or less than its neighbours
+    (the first and last stages half as much), so counts per group would name the end stages
+    in every hang; within a pair, each send meets one receive and healthy counts agree."""
+    import torch.distributed as dist
+
+    peer = _argument(args, kwargs, "dst", peer_at["dst"])
+    if peer is None:
+        peer = _argument(args, kwargs, "src", peer_at["src"])
+    if peer is None:
+        group_peer = _argument(args, kwargs, "group_dst", peer_at["group_dst"])
+        if group_peer is None:
+            group_peer = _argument(args, kwargs, "group_src", peer_at["group_src"])
+        if group_peer is None:
+            return group
+        pg = pg if pg is not None else dist.distributed_c10d._get_default_group()
+        peer = dist.get_global_rank(pg, int(group_peer))
+    me = dist.get_rank()
+    low, high = sorted((int(me), int(peer)))
+    return f"{group}:{low}-{high}"
+
+
 def _argument(args: tuple[Any, ...], kwargs: dict[str, Any], name: str, at: int | None) -> Any:
     if name in kwargs:
         return kwargs[name]
@@ -131,6 +158,7 @@ class _Launch:
     group: str
     started: float
     begin: Any
+    counted: str | None = None  # where entered/completed are counted, when not `group`
     done: bool = False
 
 
@@ -224,11 +252,13 @@ class CollectiveTracker:
                 log.info("robust-metrics: NCCL group %s not timed: %s", group_label(pg), exc)
 
     # -- accounting ------------------------------------------------------------------------
-    def launch(self, op: str, group: str, nbytes: int) -> float:
-        """Count a collective entered (unless its process group counts them) and its bytes."""
+    def launch(self, op: str, group: str, nbytes: int, counted: str | None = None) -> float:
+        """Count a collective entered under `counted` (default: its group, unless the process
+        group counts them itself) and its bytes under its group."""
         with self._lock:
             if group not in self._groups_timed_by_hook:
-                self.entered[group] = self.entered.get(group, 0) + 1
+                key = counted or group
+                self.entered[key] = self.entered.get(key, 0) + 1
             stats = self.stats.get((op, group))
             if stats is None:
                 stats = self.stats[(op, group)] = _Stats()
@@ -242,16 +272,17 @@ class CollectiveTracker:
             self.entered.setdefault(group, 0)
             self.completed.setdefault(group, 0)
 
-    def complete(self, op: str, group: str, started: float) -> None:
+    def complete(self, op: str, group: str, started: float, counted: str | None = None) -> None:
         """A host-observed completion: right on gloo, an enqueue on NCCL (then ignored)."""
-        self.record_completion(op, group, time.perf_counter() - started)
+        self.record_completion(op, group, time.perf_counter() - started, counted=counted)
 
     def record_completion(self, op: str, group: str, seconds: float, *, from_hook: bool = False,
-                          ) -> None:
+                          counted: str | None = None) -> None:
         if group in self._groups_timed_by_hook and not from_hook:
             return
         with self._lock:
-            self.completed[group] = self.completed.get(group, 0) + 1
+            key = counted or group
+            self.completed[key] = self.completed.get(key, 0) + 1
             stats = self.stats.get((op, group))
             if stats is None:
                 stats = self.stats[(op, group)] = _Stats()
@@ -339,6 +370,8 @@ class CollectiveTracker:
         tracker = self
         always_async = fn_name in _ASYNC_BY_DEFAULT
         group_at, async_at = _positions(original, "group"), _positions(original, "async_op")
+        peer_at = {name: _positions(original, name) for name in _PEER_ARGUMENTS} \
+            if op in ("send", "recv") else {}
 
         @functools.wraps(original)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -348,7 +381,9 @@ class CollectiveTracker:
                 pg = _argument(args, kwargs, "group", group_at)
                 if id(pg) not in tracker._seen_groups:
                     tracker.watch_group(pg)
-                launch = tracker.enter(op, group_label(pg), _payload_bytes(args[0]) if args else 0)
+                group = group_label(pg)
+                counted = _pair_label(pg, group, args, kwargs, peer_at) if peer_at else None
+                launch = tracker.enter(op, group, _payload_bytes(args[0]) if args else 0, counted)
             except Exception as exc:  # accounting must never break the collective
                 tracker._on_error("collectives", exc)
                 return original(*args, **kwargs)
@@ -386,9 +421,10 @@ class CollectiveTracker:
         return wait
 
     # -- launches, waits and completions ---------------------------------------------------
-    def enter(self, op: str, group: str, nbytes: int) -> _Launch:
+    def enter(self, op: str, group: str, nbytes: int, counted: str | None = None) -> _Launch:
         """A collective entered: counted, its bytes added, its start marked."""
-        return _Launch(op, group, self.launch(op, group, nbytes), self.timer.mark())
+        return _Launch(op, group, self.launch(op, group, nbytes, counted), self.timer.mark(),
+                       counted)
 
     def finish(self, launch: _Launch, begin: Any = None) -> None:
         """The caller waited for `launch` from `begin` (its start when None) until now."""
@@ -401,7 +437,7 @@ class CollectiveTracker:
             if launch.done:
                 return
             launch.done = True
-        self.complete(launch.op, launch.group, launch.started)
+        self.complete(launch.op, launch.group, launch.started, launch.counted)
         if self.on_span is not None:
             self.on_span(launch.op, launch.group, launch.begin, self.timer.mark())
 
