@@ -6,7 +6,12 @@ these intervals to the production ones (15 s): 5 minute windows become 20 s, `fo
 30 s hang floor 2 s. Two jobs:
 
 - a healthy job that must raise nothing, not even a pending alert; then one of its ranks is
-  stopped with SIGSTOP: TrainingHang fires for the run and RankHang names the stopped rank;
+  stopped with SIGSTOP: TrainingHang fires for the run and RankHang names the stopped rank.
+  "Nothing" holds on a busy machine too: the one alert a healthy job may show pending is the
+  informational straggler estimate (action none), and only when it names a rank whose own
+  compute samples show it slower than the median rank (a real straggler: the CI machine's other
+  work can make one). Anything that asks for an action, any other alert, and a firing or
+  unexplained straggler estimate fail the test;
 - a job with a slow rank and a NaN loss on another: SlowRank names the slow rank and
   NonFiniteLoss the NaN rank.
 
@@ -16,7 +21,9 @@ Detection latencies are printed; bench/rules_detection.py measures them properly
 from __future__ import annotations
 
 import os
+import re
 import signal
+import statistics
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,6 +39,8 @@ pytestmark = pytest.mark.integration
 WORLD = 4
 TIME_SCALE = 1 / 15  # 1 s intervals here, 15 s in production
 STEP_SLEEP = "0.05"
+WINDOW = f"{300 * TIME_SCALE:g}s"  # the rules' 5-minute window at this time scale
+STRAGGLER = "StragglerSlowdownHigh"
 
 
 def write_test_rules(folder: Path, rank_shards: int = 1) -> Path:
@@ -44,6 +53,52 @@ def write_test_rules(folder: Path, rank_shards: int = 1) -> Path:
 def alerts(prom: PrometheusServer, run: str, state: str | None = None) -> list[dict[str, Any]]:
     return [a for a in prom.api("alerts")["alerts"]
             if a["labels"].get("run") == run and (state is None or a["state"] == state)]
+
+
+def unexplained(prom: PrometheusServer, run: str) -> list[str]:
+    """What a healthy run must not show, each with the reason: an active alert that asks for an
+    action, any other alert, and the straggler estimate when it fires or names no rank that is
+    measurably slower (`straggler_unexplained`)."""
+    problems = []
+    for a in alerts(prom, run):
+        name, action, state = a["labels"]["alertname"], a["labels"].get("action"), a["state"]
+        if action != "none":
+            problems.append(f"{name} {state}, action {action}: {a}")
+        elif name != STRAGGLER or state == "firing":
+            problems.append(f"{name} {state}: {a}")
+        else:
+            why = straggler_unexplained(prom, run, a)
+            if why:
+                problems.append(why)
+    return problems
+
+
+def straggler_unexplained(prom: PrometheusServer, run: str, alert: dict[str, Any]) -> str | None:
+    """None when a pending StragglerSlowdownHigh names its slowest rank and that rank's raw
+    compute samples (sum and count over the rules' window, no recorded series) are at least 5%
+    above the median rank's: one rank really is slower, as another process competing for the
+    two cores can make it, and the estimate says so. The reason otherwise.
+
+    One slow rank needs 1.14x the others' compute for S = 1.1 with four ranks; equal ranks stay
+    under 1.01x on this machine even with both cores saturated (/proc/pressure/cpu at 80%).
+    """
+    description = alert["annotations"].get("description", "")
+    named = re.search(r"Slowest rank: (\d+) at ([0-9.]+)x", description)
+    if not named:
+        return f"{STRAGGLER} pending without naming a slow rank: {alert}"
+    compute = {r["metric"]["rank"]: float(r["value"][1]) for r in prom.query(
+        f'rate(robust_step_compute_seconds_sum{{run="{run}"}}[{WINDOW}])'
+        f' / rate(robust_step_compute_seconds_count{{run="{run}"}}[{WINDOW}])')}
+    if not compute:
+        return f"{STRAGGLER} pending and no compute samples to check it against: {alert}"
+    ratio = compute.get(named[1], 0.0) / statistics.median(compute.values())
+    if ratio < 1.05:
+        return (f"{STRAGGLER} pending at S = {alert['value']}, naming rank {named[1]} at "
+                f"{named[2]}x, whose raw compute samples are {ratio:.3f}x the median rank's: "
+                f"no straggler explains it. Per-rank compute (s/step): {compute}")
+    print(f"\n{run}: {STRAGGLER} pending at S = {float(alert['value']):.2f}, rank {named[1]} "
+          f"computing {ratio:.2f}x the median rank (the machine's other work)")
+    return None
 
 
 def wait_firing(prom: PrometheusServer, run: str, alertname: str, timeout: float,
@@ -101,11 +156,11 @@ def test_healthy_run_is_silent_then_a_stopped_rank_is_named(setup: dict[str, Any
     with start_job(setup, run, []) as job:
         wait_stepping(prom, run, job)
         # 25 s at 1/15 scale: over six minutes of production time, longer than every window
-        # SlowRank and the spike baselines need; nothing may even be pending.
+        # SlowRank and the spike baselines need; nothing may even be pending (`unexplained`).
         deadline = time.monotonic() + 25
         while time.monotonic() < deadline:
-            active = alerts(prom, run)
-            assert not active, f"a healthy run raised {active}"
+            problems = unexplained(prom, run)
+            assert not problems, "a healthy run raised:\n" + "\n".join(problems)
             time.sleep(1)
         assert prom.query(f'run:robust_step_duration_seconds:median5m{{run="{run}"}}'), \
             "the step-time recording rules produced nothing: the silence above proves nothing"
@@ -154,3 +209,39 @@ def test_slow_rank_and_nan_loss_are_named(setup: dict[str, Any]) -> None:
         assert slow_ranks == {str(slow)}, slow_ranks
         hangs = [a for a in alerts(prom, run) if "Hang" in a["labels"]["alertname"]]
         assert not hangs, f"a slow rank is not a hang: {hangs}"
+
+
+class _Recorded:
+    """Alerts and per-rank compute as a Prometheus would answer them, for `unexplained`."""
+
+    def __init__(self, active: list[dict[str, Any]], compute: dict[str, float]) -> None:
+        self.active, self.compute = active, compute
+
+    def api(self, path: str) -> dict[str, Any]:
+        return {"alerts": self.active}
+
+    def query(self, expr: str) -> list[dict[str, Any]]:
+        assert "robust_step_compute_seconds_sum" in expr and f"[{WINDOW}]" in expr, expr
+        return [{"metric": {"rank": r}, "value": [0, str(v)]} for r, v in self.compute.items()]
+
+
+def _alert(name: str, action: str, state: str = "pending", description: str = "") -> dict[str, Any]:
+    return {"labels": {"alertname": name, "action": action, "run": "healthy"}, "state": state,
+            "value": "1.31e+00", "annotations": {"description": description}}
+
+
+def test_a_healthy_run_may_show_only_a_straggler_its_samples_explain() -> None:
+    slowest = "Run healthy: steps take 1.31x the ideal. Slowest rank: 1 at 1.25x the median compute time."
+    rank1_slow = {"0": 0.052, "1": 0.065, "2": 0.052, "3": 0.053}
+    equal = {"0": 0.052, "1": 0.053, "2": 0.052, "3": 0.053}
+
+    def problems(active: list[dict[str, Any]], compute: dict[str, float]) -> list[str]:
+        return unexplained(_Recorded(active, compute), "healthy")  # type: ignore[arg-type]
+
+    assert problems([], equal) == []
+    assert problems([_alert(STRAGGLER, "none", description=slowest)], rank1_slow) == []
+    assert problems([_alert(STRAGGLER, "none", description=slowest)], equal)  # samples say no
+    assert problems([_alert(STRAGGLER, "none", description="no rank")], rank1_slow)
+    assert problems([_alert(STRAGGLER, "none", "firing", slowest)], rank1_slow)
+    assert problems([_alert("SlowRank", "checkpoint", description=slowest)], rank1_slow)
+    assert problems([_alert("LossSpike", "none")], rank1_slow)

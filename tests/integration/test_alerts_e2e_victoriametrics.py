@@ -102,8 +102,8 @@ def test_healthy_run_is_silent_then_a_stopped_rank_is_named(stack: dict[str, Any
         recorded = False
         while max(float(r["value"][1]) for r in prom.query(
                 f'robust_global_step{{run="{run}"}}')) < 780:
-            active = e2e.alerts(prom, run)
-            assert not active, f"a healthy run raised {active}\n{job.logs()}"
+            problems = e2e.unexplained(prom, run)
+            assert not problems, "a healthy run raised:\n" + "\n".join(problems) + "\n" + job.logs()
             recorded = recorded or bool(prom.query(
                 f'run:robust_step_duration_seconds:median5m{{run="{run}"}}'))
             time.sleep(1)
