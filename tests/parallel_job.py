@@ -115,8 +115,7 @@ class Job:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        calls = args.microbatches if args.stack in ("pp", "pp_fsdp2") else 1
-        per_block = args.compute / 2 / args.blocks / calls
+        per_block = args.compute / 2 / args.blocks / self._calls()
         self.pace = Pace(per_block, per_block)
         self.optimizer_sleep = 0.0
         self.schedule = None
@@ -239,7 +238,10 @@ class Job:
         print(f"FAULT {time.time():.6f} slow {args.slow_where} x{args.slow_factor}", flush=True)
 
     def _calls(self) -> int:
-        return self.args.microbatches if self.schedule is not None else 1
+        """Calls of each block per step: micro-batches, times a rank's stages (interleaved)."""
+        if self.args.stack not in ("pp", "pp_fsdp2"):
+            return 1
+        return self.args.microbatches * (2 if self.args.schedule == "interleaved" else 1)
 
     # -- one step --------------------------------------------------------------------------
     def step(self, step: int, optimizer: torch.optim.Optimizer,
@@ -285,8 +287,10 @@ def main(argv: list[str] | None = None) -> None:
     dist.init_process_group("gloo")
     job = Job(args)
     optimizer = torch.optim.AdamW(job.model.parameters(), lr=1e-3)
-    handle = robust_metrics.watch(job.watched, optimizer)
     generator = torch.Generator().manual_seed(1234)  # the same batch on every rank
+    if args.compile:  # compile before the watch, as a job warms up before it trains
+        job.step(-1, optimizer, generator)
+    handle = robust_metrics.watch(job.watched, optimizer)
     if job.rank == args.slow_rank:
         job.slow_down()
     started = time.time()

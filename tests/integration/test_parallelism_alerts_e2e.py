@@ -1,0 +1,107 @@
+"""SlowRank and RankHang on FSDP2 and on a pipeline, through the real sidecar and Prometheus.
+
+Four gloo ranks of tests/parallel_job.py (one `watch()` line) write to a multiprocess folder; a
+real `robust-metrics sidecar` serves it; a real Prometheus scrapes it and evaluates the shipped
+rules every second, rescaled by 1/15 as in test_alerts_e2e.py. Each test is one run id:
+
+- FSDP2 over 4 ranks and a 4-stage GPipe pipeline, one rank 1.3x slower: SlowRank names it, and
+  no other rank;
+- the same stacks with one rank stopped (SIGSTOP) while its peers wait for it: RankHang names it
+  alone. On the pipeline the healthy stages enter different numbers of sends and receives (the
+  end stages half as many): counted per pair of neighbours, none of them looks behind.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.integration.test_alerts_e2e import alerts, wait_firing, write_test_rules
+from tests.prometheus_fixture import PrometheusServer
+from tests.support import ROOT, RankJob, SidecarProcess, require_binary, wait_until
+
+pytestmark = pytest.mark.integration
+WORLD = 4
+JOB = ROOT / "tests" / "parallel_job.py"
+STACKS = {"fsdp2": ["--stack", "fsdp2"], "pipeline": ["--stack", "pp", "--schedule", "gpipe"]}
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    require_binary("prometheus")
+    folder = tmp_path_factory.mktemp("parallel-e2e")
+    metrics = folder / "metrics"
+    metrics.mkdir()
+    with SidecarProcess(metrics, ["--node", "node-p"], log_path=folder / "sidecar.log") as sidecar:
+        server = PrometheusServer(folder / "prometheus", [sidecar.url.removeprefix("http://")],
+                                  rule_files=[write_test_rules(folder)])
+        server.start()
+        try:
+            yield {"prom": server, "folder": folder, "metrics": metrics}
+        finally:
+            server.stop()
+
+
+def start_job(stack: dict[str, Any], run: str, args: list[str]) -> RankJob:
+    logs = stack["folder"] / f"logs-{run}"
+    logs.mkdir(exist_ok=True)
+    return RankJob(WORLD, ["--duration", "120", *args], script=JOB, log_dir=logs, run=run,
+                   env={"ROBUST_METRICS_DIR": str(stack["metrics"]),
+                        "ROBUST_METRICS_NODE": "node-p"})
+
+
+def wait_steps(prom: PrometheusServer, run: str, job: RankJob, steps: int) -> None:
+    def stepping() -> bool:
+        result = prom.query(f'count(robust_steps_total{{run="{run}"}} >= {steps})')
+        return bool(result) and float(result[0]["value"][1]) == WORLD
+    try:
+        wait_until(stepping, timeout=90, interval=0.5, message=f"{run}: {WORLD} ranks stepping")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{job.logs()}") from None
+
+
+def named(prom: PrometheusServer, run: str, alertname: str) -> set[str]:
+    return {a["labels"].get("rank", "") for a in alerts(prom, run)
+            if a["labels"]["alertname"] == alertname}
+
+
+@pytest.mark.parametrize("kind", list(STACKS))
+def test_slow_rank_names_the_straggler(stack: dict[str, Any], kind: str) -> None:
+    prom, run, slow = stack["prom"], f"slow-{kind}", 2
+    args = [*STACKS[kind], "--compute", "0.3", "--slow-rank", str(slow), "--slow-factor", "1.3"]
+    with start_job(stack, run, args) as job:
+        wait_steps(prom, run, job, 3)
+        t0 = time.monotonic()
+        fired = wait_firing(prom, run, "SlowRank", 60, job)
+        print(f"\n{kind}: SlowRank {time.monotonic() - t0:.1f}s after 3 steps")
+        assert fired["labels"]["rank"] == str(slow), fired
+        assert fired["labels"]["node"] == "node-p"
+        time.sleep(2)
+        assert named(prom, run, "SlowRank") == {str(slow)}, alerts(prom, run)
+        assert named(prom, run, "RankHang") == set(), alerts(prom, run)
+        job.kill()
+
+
+@pytest.mark.parametrize("kind", list(STACKS))
+def test_rank_hang_names_the_stopped_rank_alone(stack: dict[str, Any], kind: str) -> None:
+    prom, run, stopped = stack["prom"], f"stopped-{kind}", 1
+    args = [*STACKS[kind], "--compute", "0.05", "--stop-rank", str(stopped), "--stop-step", "40"]
+    with start_job(stack, run, args) as job:
+        try:
+            wait_steps(prom, run, job, 5)
+            rank_hang = wait_firing(prom, run, "RankHang", 60, job)
+            wait_firing(prom, run, "TrainingHang", 10, job)
+            status = Path(f"/proc/{job.pids[stopped]}/stat").read_text().rsplit(")", 1)[1].split()
+            assert status[0] == "T", f"the rank was not stopped: state {status[0]}"
+            assert rank_hang["labels"]["rank"] == str(stopped), rank_hang
+            time.sleep(3)
+            assert named(prom, run, "RankHang") == {str(stopped)}, alerts(prom, run)
+        finally:
+            os.kill(job.pids[stopped], signal.SIGCONT)
+            job.kill()
