@@ -172,7 +172,7 @@ def test_the_issue_alerts_all_exist() -> None:
               "GradNormSpike", "NonFiniteLoss", "NonFiniteGradients", "ThroughputDrop",
               "GPUXidCritical", "GPUEccUncorrectable", "GPURowRemapFailure", "GPUThermalThrottle",
               "GPULost", "NICLinkDown", "NICFlapping", "SidecarDown", "CheckpointStale", "RankExited",
-              "LossRise", "GradNormRise", "MFUDrop", "SuspectNode"}
+              "LossRise", "GradNormRise", "MFUDrop", "SuspectNode", "SkippedStepStorm"}
     assert {a["alert"] for a in ALERTS} == wanted
 
 
