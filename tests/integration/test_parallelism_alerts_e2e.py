@@ -1,14 +1,16 @@
 """SlowRank and RankHang on FSDP2 and on a pipeline, through the real sidecar and Prometheus.
 
-Four gloo ranks of tests/parallel_job.py (one `watch()` line) write to a multiprocess folder; a
-real `robust-metrics sidecar` serves it; a real Prometheus scrapes it and evaluates the shipped
-rules every second, rescaled by 1/15 as in test_alerts_e2e.py. Each test is one run id:
+Four gloo ranks of robust_metrics/workloads/parallel_job.py (one `watch()` line) write to a
+multiprocess folder; a real `robust-metrics sidecar` serves it; a real Prometheus scrapes it and
+evaluates the shipped rules every second, rescaled by 1/15 as in test_alerts_e2e.py. Each test is
+one run id:
 
 - FSDP2 over 4 ranks and a 4-stage GPipe pipeline, one rank 1.3x slower: SlowRank names it, and
   no other rank;
 - the same stacks with one rank stopped (SIGSTOP) while its peers wait for it: RankHang names it
   alone. On the pipeline the healthy stages enter different numbers of sends and receives (the
   end stages half as many): counted per pair of neighbours, none of them looks behind.
+
 """
 
 from __future__ import annotations
@@ -22,13 +24,14 @@ from typing import Any
 
 import pytest
 
+from robust_metrics import workloads
 from tests.integration.test_alerts_e2e import alerts, wait_firing, write_test_rules
 from tests.prometheus_fixture import PrometheusServer
-from tests.support import ROOT, RankJob, SidecarProcess, require_binary, wait_until
+from tests.support import RankJob, SidecarProcess, require_binary, wait_until
 
 pytestmark = pytest.mark.integration
 WORLD = 4
-JOB = ROOT / "tests" / "parallel_job.py"
+JOB = Path(workloads.__file__).resolve().parent / "parallel_job.py"
 STACKS = {"fsdp2": ["--stack", "fsdp2"], "pipeline": ["--stack", "pp", "--schedule", "gpipe"]}
 
 

@@ -1,11 +1,11 @@
 """The hook on the stacks large models are trained with, as real gloo jobs on the CPU.
 
-Each case is a real job of `tests/parallel_job.py` (FSDP2, tensor parallelism with and without
-sequence parallelism, pipeline schedules, 2-D meshes, torch.compile) with one `watch()` line and one
-rank slowed 1.3x in forward, backward or the optimizer. What `watch()` wrote is read back with
-prometheus_client's own MultiProcessCollector. The slowed rank must be named by its compute time
-(the compute/blocked split), with no hook error, every collective entered also completed, and the
-topology labels taken from the DeviceMesh or the pipeline stage.
+Each case is a real job of `robust_metrics/workloads/parallel_job.py` (FSDP2, tensor parallelism
+with and without sequence parallelism, pipeline schedules, 2-D meshes, torch.compile) with one
+`watch()` line and one rank slowed 1.3x in forward, backward or the optimizer. What `watch()` wrote
+is read back with prometheus_client's own MultiProcessCollector. The slowed rank must be named by
+its compute time (the compute/blocked split), with no hook error, every collective entered also
+completed, and the topology labels taken from the DeviceMesh or the pipeline stage.
 """
 
 from __future__ import annotations
@@ -17,10 +17,11 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.multiprocess import MultiProcessCollector
 
+from robust_metrics import workloads
 from robust_metrics.processes import RankJob
 
 pytestmark = pytest.mark.integration
-JOB = Path(__file__).resolve().parents[1] / "parallel_job.py"
+JOB = Path(workloads.__file__).resolve().parent / "parallel_job.py"
 STEPS = 16
 
 

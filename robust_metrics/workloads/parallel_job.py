@@ -1,7 +1,8 @@
 """A training job on the stacks large models use, with one `watch()` line and a slow rank.
 
-Every rank runs it (`RankJob(..., script=PARALLEL_JOB)`); `--stack` picks the parallelism, all
-real PyTorch on gloo: `ddp`, `fsdp2` (`fully_shard` per block and the root), `tp`
+Every rank runs it (`robust_metrics.processes.RankJob(..., script=<this file>)`, or
+`torchrun --nproc-per-node 2 -m robust_metrics.workloads.parallel_job --stack pp`). `--stack`
+picks the parallelism, all real PyTorch on gloo: `ddp`, `fsdp2` (`fully_shard` per block and the root), `tp`
 (`parallelize_module` with Colwise/RowwiseParallel, `--sequence-parallel` adds SequenceParallel
 norms), `pp` (two or more `PipelineStage`s under `--schedule` gpipe, 1f1b or interleaved),
 `fsdp2_tp` (a 2-D mesh) and `pp_fsdp2` (stages sharded over a DP dimension). The model is blocks of
