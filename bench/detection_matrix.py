@@ -3,11 +3,12 @@
     .venv/bin/python bench/detection_matrix.py [--trials 3] [--faults kill9,stall,...]
         [--healthy-seconds 240] [--out results.json]
 
-Real parts only: a 4-rank gloo job (tests/fault_job.py: an MLP with Adam under DDP and one
-`watch()` line) writing to a multiprocess folder, a real `robust-metrics sidecar` serving it
-(with a copy of the sysfs fixture as its /sys, so a NIC flap can be injected), a real Prometheus
-scraping the sidecar and evaluating the shipped rules every second, rescaled by 1/15
-(`robust-metrics rules --time-scale`), the ratio of these intervals to the 15 s defaults.
+Real parts only: a 4-rank gloo job (robust_metrics/workloads/fault_job.py: an MLP with Adam
+under DDP and one `watch()` line) writing to a multiprocess folder, a real `robust-metrics
+sidecar` serving it (with a copy of the sysfs fixture as its /sys, so a NIC flap can be
+injected), a real Prometheus scraping the sidecar and evaluating the shipped rules every second,
+rescaled by 1/15 (`robust-metrics rules --time-scale`), the ratio of these intervals to the 15 s
+defaults.
 
 Every trial is one run id. A positive trial waits until the four ranks step, injects its fault
 (in the job: the faulty rank prints `FAULT <unix time>`; from outside: the time of the signal), then
@@ -41,15 +42,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 
-from robust_metrics import rules
-from tests.prometheus_fixture import PrometheusServer
-from tests.support import ROOT, RankJob, SidecarProcess, wait_until
+from robust_metrics import rules  # noqa: E402
+from robust_metrics.processes import Prometheus, RankJob, sidecar, wait_for  # noqa: E402
+from robust_metrics.workloads import FAULT_JOB  # noqa: E402
 
 WORLD = 4
 NODE = "node-a"
-JOB = ROOT / "tests" / "fault_job.py"
+JOB = FAULT_JOB
 FAULT_STEP = 150  # in-job faults start here: after the spike detector's warmup and a SlowRank baseline
 CONTENDERS = 4  # busy processes beside the contended rank, each its own session: 1/5 of the CPU each
 
@@ -129,7 +131,7 @@ class Trial:
 
 
 class Bench:
-    def __init__(self, folder: Path, prom: PrometheusServer, metrics: Path, sysfs: Path) -> None:
+    def __init__(self, folder: Path, prom: Prometheus, metrics: Path, sysfs: Path) -> None:
         self.folder, self.prom, self.metrics, self.sysfs = folder, prom, metrics, sysfs
 
     # -- observing -------------------------------------------------------------------------
@@ -144,8 +146,8 @@ class Bench:
             result = self.prom.query(f'count(robust_steps_total{{run="{run}"}} > {steps})')
             return bool(result) and float(result[0]["value"][1]) == WORLD
         try:
-            wait_until(stepping, timeout=120, interval=0.5, message=f"{run} stepping")
-        except AssertionError as exc:
+            wait_for(stepping, timeout=120, interval=0.5, message=f"{run} stepping")
+        except TimeoutError as exc:
             raise RuntimeError(f"{exc}\n{job.logs()}") from None
 
     @staticmethod
@@ -157,7 +159,7 @@ class Bench:
                 if match:
                     return float(match.group(1))
             return None
-        return wait_until(found, timeout=timeout, interval=0.1, message="the job's FAULT line")
+        return wait_for(found, timeout=timeout, interval=0.1, message="the job's FAULT line")
 
     # -- a trial ---------------------------------------------------------------------------
     def run_trial(self, fault: Fault, trial: int) -> Trial:
@@ -185,9 +187,9 @@ class Bench:
                     undo()
             job.kill()
         if fault.inject == "nic":  # node-level: let it resolve before the next trial
-            with contextlib.suppress(AssertionError):
-                wait_until(lambda: not self.firing("-"), timeout=60, interval=1,
-                           message="node alerts resolved")
+            with contextlib.suppress(TimeoutError):
+                wait_for(lambda: not self.firing("-"), timeout=60, interval=1,
+                         message="node alerts resolved")
         self._classify(fault, seen, result)
         return result
 
@@ -351,10 +353,10 @@ def main(argv: list[str] | None = None) -> int:
     rule_file.write_text(rules.render(rules.load_groups(time_scale=1 / 15)))
     results: list[Trial] = []
     started = time.time()
-    sidecar = SidecarProcess(metrics, ["--node", NODE, "--path.sysfs", str(sysfs)],
-                             log_path=folder / "sidecar.log")
-    with sidecar, PrometheusServer(folder / "prometheus", [sidecar.url.removeprefix("http://")],
-                                   rule_files=[rule_file]) as prom:
+    side = sidecar(metrics, ["--node", NODE, "--path.sysfs", str(sysfs)],
+                   log_path=folder / "sidecar.log")
+    with side, Prometheus(folder / "prometheus", [side.url.removeprefix("http://")],
+                          rule_files=[rule_file]) as prom:
         bench = Bench(folder, prom, metrics, sysfs)
         for trial in range(args.trials):
             for fault in chosen:

@@ -32,7 +32,16 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from robust_metrics import rule_shards, rules, schema
-from robust_metrics.processes import Prometheus, QueryAPI, ServiceError, free_port
+from robust_metrics.processes import (
+    Prometheus,
+    QueryAPI,
+    ServiceError,
+    VictoriaMetrics,
+    VMAgent,
+    VMAlert,
+    alertmanager,
+    free_port,
+)
 from robust_metrics.sidecar.collectors.nvml import THROTTLE_REASONS
 
 SLOW_RANK = 7
@@ -324,16 +333,15 @@ def measure_victoriametrics(args: argparse.Namespace, rule_file: Path,
     Group evaluation time is vmalert's own `vmalert_iteration_duration_seconds` (sum / count
     over the measured period): it includes the HTTP round trip and decoding of each rule's
     result, where Prometheus evaluates in-process."""
-    from tests.victoriametrics_fixture import VictoriaMetricsServer, VMAgent, VMAlert, alertmanager_service
-
-    vm = VictoriaMetricsServer(tmp / "vm")
+    vm = VictoriaMetrics(tmp / "vm")
     shards = [VMAgent(tmp / f"vmagent{i}", vm, [], scrape_interval=args.interval,
                       extra_scrape_configs=scrape, members=args.shards, member=i)
               for i in range(args.shards)]
-    with vm, alertmanager_service(tmp / "am") as am:
+    null_route = {"route": {"receiver": "null"}, "receivers": [{"name": "null"}]}
+    with vm, alertmanager(tmp / "am", null_route) as am:
         for shard in shards:
             shard.start()
-        vmalert = VMAlert(tmp / "vmalert", vm, rule_files=[rule_file], notifier_url=am,
+        vmalert = VMAlert(tmp / "vmalert", vm, rule_files=[rule_file], notifier_url=am.url,
                           evaluation_interval=args.interval, extra_args=[
                               "-remoteWrite.maxQueueSize=4000000",
                               "-remoteWrite.maxBatchSize=10000", "-remoteWrite.concurrency=4"])

@@ -1,10 +1,10 @@
 """Slurm adapter benchmark: how long each operation takes, slurmrestd against the CLI fallback.
 
-Starts the tests' single-node Slurm (tests/slurm/cluster.py: munged, slurmctld, slurmd,
-slurmrestd), runs one job that traps SIGUSR1, and times the adapter's operations. That rig stays
-in tests/ rather than the harness (robust_metrics/processes.py) because it runs the daemons as
-root with their security off, which the product package must not ship; it is built on the
-harness, so the bench and the tests start and stop the same daemons the same way. Baseline: a
+Starts a single-node Slurm (bench/slurm_cluster.py: munged, slurmctld, slurmd, slurmrestd),
+runs one job that traps SIGUSR1, and times the adapter's operations. That rig lives here rather
+than in the harness (robust_metrics/processes.py) because it runs the daemons as root with their
+security off, which the product package must not ship; it is built on the harness, and the Slurm
+tests start the same daemons through it. Baseline: a
 slurmrestd GET /ping on the same server, so the figures are ratios that survive a busy machine.
 The figures are per call of the adapter, as the bridge makes them (a fresh HTTP connection or
 a fresh `scancel` process each time).
@@ -27,8 +27,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.slurm_cluster import SlurmCluster, missing_binaries  # noqa: E402
 from robust_metrics.bridge.schedulers.slurm import SlurmScheduler  # noqa: E402
-from tests.slurm.cluster import SlurmCluster, missing_binaries  # noqa: E402
 
 
 def timed(fn: Callable[[], object], n: int) -> float:

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # tests.whatif_synthetic: the trace generator is not shipped
+sys.path.insert(0, str(ROOT))  # this checkout's robust_metrics, installed or not
 ST = ROOT / "tests" / "fixtures" / "whatif-ST"
 
 
@@ -116,7 +116,7 @@ def main() -> None:
     rows.append(measure("fixture ST, vectorised", trace, meta))
     rows.append(measure("fixture ST, naive per-op", trace, meta, naive=True))
     if not args.skip_large:
-        from tests.whatif_synthetic import SyntheticJob, generate
+        from robust_metrics.analysis.whatif.synthetic import SyntheticJob, generate
 
         with tempfile.TemporaryDirectory() as tmp:
             began = time.perf_counter()

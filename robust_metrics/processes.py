@@ -1,4 +1,5 @@
-"""The harness for local processes: Prometheus, Alertmanager, the sidecar, the bridge and ranks.
+"""The harness for local processes: Prometheus, Alertmanager, VictoriaMetrics (server, vmagent,
+vmalert), the sidecar, the bridge and ranks.
 
 The demo, the tests and the benchmarks start the same services on loopback ports; this module is
 the one place that knows how. Every process is started in its own session (so one signal to its
@@ -44,6 +45,9 @@ __all__ = [
     "RankJob",
     "Service",
     "ServiceError",
+    "VMAgent",
+    "VMAlert",
+    "VictoriaMetrics",
     "alertmanager",
     "bridge",
     "find_binary",
@@ -52,6 +56,7 @@ __all__ = [
     "http_ok",
     "kill_leftovers",
     "leftovers",
+    "scrape_config",
     "sidecar",
     "spawn",
     "stop_process_group",
@@ -338,6 +343,13 @@ class Service:
         except OSError:
             return ""
 
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def logs(self) -> str:
+        return self.log_tail()
+
     def stop(self, timeout: float = 15.0) -> None:
         if self.proc is not None:
             stop_process_group(self.proc, timeout)
@@ -437,8 +449,105 @@ class Prometheus(Service, QueryAPI):
     def __enter__(self) -> Prometheus:
         return self.start()
 
-    def logs(self) -> str:
-        return self.log_tail()
+
+def scrape_config(targets: Sequence[str], *, interval: str = "1s", job: str = "robust-metrics",
+                  extra_scrape_configs: Sequence[Mapping[str, Any]] = ()) -> dict[str, Any]:
+    """A Prometheus-format scrape configuration, read by VictoriaMetrics and vmagent too."""
+    jobs = [{"job_name": job, "static_configs": [{"targets": list(targets)}]}] if targets else []
+    return {"global": {"scrape_interval": interval, "scrape_timeout": interval},
+            "scrape_configs": [*jobs, *extra_scrape_configs]}
+
+
+class VictoriaMetrics(Service, QueryAPI):
+    """Single-node VictoriaMetrics: storage, the Prometheus query API, imports and remote write
+    (`/api/v1/write`), and optionally its own scraping of `targets` (`-promscrape.config`).
+    Started with `-search.latencyOffset=0s` and `-search.disableCache`, so that a sample is
+    visible to the next query, as in Prometheus. Data and log under `workdir`."""
+
+    def __init__(self, workdir: Path, targets: Sequence[str] = (), *,
+                 scrape_interval: str = "1s", job: str = "robust-metrics",
+                 extra_scrape_configs: Sequence[Mapping[str, Any]] = (),
+                 extra_args: Sequence[str] = (), port: int | None = None) -> None:
+        binary = find_binary("victoria-metrics")
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        port = port or free_port()
+        argv = [binary, f"-storageDataPath={self.workdir / 'data'}",
+                f"-httpListenAddr=127.0.0.1:{port}", "-loggerLevel=WARN",
+                "-search.latencyOffset=0s", "-search.disableCache", *extra_args]
+        if targets or extra_scrape_configs:
+            config = self.workdir / "scrape.yml"
+            config.write_text(yaml.safe_dump(scrape_config(
+                targets, interval=scrape_interval, job=job,
+                extra_scrape_configs=extra_scrape_configs), sort_keys=False))
+            argv.append(f"-promscrape.config={config}")
+        super().__init__("victoria-metrics", argv, port=port,
+                         log_path=self.workdir / "victoria-metrics.log",
+                         ready_url=f"http://127.0.0.1:{port}/health")
+
+    def force_flush(self) -> None:
+        """Make every sample received so far searchable now (it is within a second anyway)."""
+        with urllib.request.urlopen(f"{self.url}/internal/force_flush", timeout=30):
+            pass
+
+    def import_prometheus(self, text: str) -> None:
+        """Ingest Prometheus exposition text (optional millisecond timestamps) and flush."""
+        request = urllib.request.Request(f"{self.url}/api/v1/import/prometheus",
+                                         data=text.encode(), method="POST")
+        with urllib.request.urlopen(request, timeout=60):
+            pass
+        self.force_flush()
+
+
+class VMAlert(Service, QueryAPI):
+    """vmalert evaluating Prometheus rule files against `datasource`, writing recorded series and
+    alert state back to it, and notifying `notifier_url` (an Alertmanager).
+
+    `api("alerts")` and `api("rules")` answer in Prometheus' format."""
+
+    def __init__(self, workdir: Path, datasource: VictoriaMetrics, *,
+                 rule_files: Sequence[Path], notifier_url: str,
+                 evaluation_interval: str = "1s", extra_args: Sequence[str] = (),
+                 port: int | None = None) -> None:
+        binary = find_binary("vmalert")
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        port = port or free_port()
+        argv = [binary, *(f"-rule={Path(p).resolve()}" for p in rule_files),
+                f"-datasource.url={datasource.url}", f"-remoteWrite.url={datasource.url}",
+                f"-remoteRead.url={datasource.url}", f"-notifier.url={notifier_url}",
+                f"-evaluationInterval={evaluation_interval}",
+                f"-httpListenAddr=127.0.0.1:{port}", "-loggerLevel=WARN", *extra_args]
+        super().__init__("vmalert", argv, log_path=self.workdir / "vmalert.log", port=port,
+                         ready_url=f"http://127.0.0.1:{port}/health")
+
+
+class VMAgent(Service):
+    """vmagent scraping `targets` and remote-writing to `destination`; with `members` > 1 it is
+    shard `member` of that many (`-promscrape.cluster.*`): each scrapes its share of targets."""
+
+    def __init__(self, workdir: Path, destination: VictoriaMetrics,
+                 targets: Sequence[str] = (), *, scrape_interval: str = "1s",
+                 extra_scrape_configs: Sequence[Mapping[str, Any]] = (), members: int = 1,
+                 member: int = 0, extra_args: Sequence[str] = (),
+                 port: int | None = None) -> None:
+        binary = find_binary("vmagent")
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        port = port or free_port()
+        config = self.workdir / "scrape.yml"
+        config.write_text(yaml.safe_dump(scrape_config(
+            targets, interval=scrape_interval, extra_scrape_configs=extra_scrape_configs),
+            sort_keys=False))
+        argv = [binary, f"-promscrape.config={config}",
+                f"-remoteWrite.url={destination.url}/api/v1/write",
+                f"-remoteWrite.tmpDataPath={self.workdir / 'queue'}",
+                f"-httpListenAddr=127.0.0.1:{port}", "-loggerLevel=WARN", *extra_args]
+        if members > 1:
+            argv += [f"-promscrape.cluster.membersCount={members}",
+                     f"-promscrape.cluster.memberNum={member}"]
+        super().__init__(f"vmagent{member}", argv, log_path=self.workdir / "vmagent.log",
+                         port=port, ready_url=f"http://127.0.0.1:{port}/health")
 
 
 def alertmanager(workdir: Path, config: Mapping[str, Any], *, port: int | None = None,

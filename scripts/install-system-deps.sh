@@ -12,7 +12,7 @@ command -v amtool >/dev/null 2>&1 || need+=(prometheus-alertmanager)
 command -v victoria-metrics >/dev/null 2>&1 || need+=(victoria-metrics)
 command -v vmagent >/dev/null 2>&1 || need+=(victoria-metrics)
 command -v vmalert >/dev/null 2>&1 || need+=(victoria-metrics)
-# A real single-node Slurm for the slurm scheduler adapter tests (tests/slurm/cluster.py).
+# A real single-node Slurm for the slurm scheduler adapter tests and bench/schedulers.py (bench/slurm_cluster.py).
 command -v slurmctld >/dev/null 2>&1 && command -v slurmd >/dev/null 2>&1 || need+=(slurm-wlm)
 command -v slurmrestd >/dev/null 2>&1 || need+=(slurmrestd)
 ls /usr/lib/*/slurm-wlm/auth_jwt.so >/dev/null 2>&1 || need+=(slurm-wlm-jwt-plugin)

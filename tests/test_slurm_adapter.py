@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from bench.slurm_cluster import SlurmCluster
 from robust_metrics.bridge.schedulers import base
 from robust_metrics.bridge.schedulers.slurm import SlurmScheduler
-from tests.slurm.cluster import SlurmCluster
 from tests.slurm.fixture import slurm_cluster
 from tests.support import EXAMPLE, ROOT, wait_until
 

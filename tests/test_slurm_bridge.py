@@ -19,11 +19,11 @@ from typing import Any
 import httpx
 import pytest
 
+from bench.slurm_cluster import SlurmCluster
 from robust_metrics.bridge.app import create_app
 from robust_metrics.bridge.config import parse
 from robust_metrics.bridge.service import Bridge
 from tests.bridge_fakes import alert, serve_app, webhook
-from tests.slurm.cluster import SlurmCluster
 from tests.slurm.fixture import slurm_cluster
 from tests.support import EXAMPLE, ROOT, wait_until
 

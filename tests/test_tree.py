@@ -7,6 +7,7 @@ A conflict block is a line starting `<<<<<<<`, later a line starting `>>>>>>>`, 
 
 from __future__ import annotations
 
+import ast
 import shutil
 import subprocess
 from collections.abc import Iterable
@@ -83,3 +84,16 @@ def test_underlines_outside_a_block_are_not_markers(tmp_path: Path) -> None:
     (tmp_path / "f.md").write_text(text)
     found = conflict_markers(tmp_path, ["f.md", "gone.md"])
     assert [int(hit.split(":")[1]) for hit in found] == [3, 5, 7, 9]  # not the underlines 2, 10
+
+
+def test_benchmarks_import_nothing_from_the_tests() -> None:
+    """A benchmark runs where the tests are not (an installed package and bench/): what it
+    shares with them lives in robust_metrics/ or in bench/."""
+    found = []
+    for path in sorted((ROOT / "bench").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            found += [f"bench/{path.name}:{node.lineno}: {name}" for name in names
+                      if name == "tests" or name.startswith("tests.")]
+    assert not found, "\n".join(found)

@@ -23,7 +23,7 @@ from robust_metrics.analysis.whatif import (
 from robust_metrics.analysis.whatif.loader import validate
 from robust_metrics.analysis.whatif.naive import simulate_naive
 from robust_metrics.analysis.whatif.simulate import simulate
-from tests.whatif_synthetic import SyntheticJob, generate
+from robust_metrics.analysis.whatif.synthetic import SyntheticJob, generate
 
 ST = Path(__file__).parent / "fixtures" / "whatif-ST"
 

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from robust_metrics.cli import main
-from tests.whatif_synthetic import SyntheticJob, generate
+from robust_metrics.analysis.whatif.synthetic import SyntheticJob, generate
 
 ST = Path(__file__).parent / "fixtures" / "whatif-ST"
 TRACE, META = str(ST / "trace-ST.parquet"), str(ST / "meta-ST.yaml")

@@ -1,8 +1,9 @@
 """Job transitions and faults end to end through the node sidecar, as a cluster runs them.
 
-Four gloo ranks of tests/fault_job.py (an MLP with Adam under DDP, one `watch()` line) write to a
-multiprocess folder; a real `robust-metrics sidecar` serves it; a real Prometheus scrapes the
-sidecar and evaluates the shipped rules every second, rescaled by 1/15 as in test_alerts_e2e.py.
+Four gloo ranks of robust_metrics/workloads/fault_job.py (an MLP with Adam under DDP, one
+`watch()` line) write to a multiprocess folder; a real `robust-metrics sidecar` serves it; a real
+Prometheus scrapes the sidecar and evaluates the shipped rules every second, rescaled by 1/15 as
+in test_alerts_e2e.py.
 Each test is one run id in the shared folder:
 
 - checkpoint and eval phases, then a normal end with a slow shutdown: nothing may be active;
@@ -23,13 +24,14 @@ from typing import Any
 
 import pytest
 
+from robust_metrics.workloads import FAULT_JOB
 from tests.integration.test_alerts_e2e import alerts, wait_firing, write_test_rules
 from tests.prometheus_fixture import PrometheusServer
-from tests.support import ROOT, RankJob, SidecarProcess, require_binary, wait_until
+from tests.support import RankJob, SidecarProcess, require_binary, wait_until
 
 pytestmark = pytest.mark.integration
 WORLD = 4
-JOB = ROOT / "tests" / "fault_job.py"
+JOB = FAULT_JOB
 
 
 @pytest.fixture(scope="module")

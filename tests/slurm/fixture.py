@@ -1,4 +1,4 @@
-"""The pytest fixture around tests/slurm/cluster.py: one real single-node Slurm per test module."""
+"""The pytest fixture around bench/slurm_cluster.py: one real single-node Slurm per test module."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.slurm.cluster import SlurmCluster, missing_binaries
+from bench.slurm_cluster import SlurmCluster, missing_binaries
 
 __all__ = ["slurm_cluster"]
 

@@ -1,4 +1,4 @@
-"""A real single-node Slurm for tests: munged, slurmctld, slurmd and slurmrestd in a temp folder.
+"""A real single-node Slurm for tests and benchmarks: munged, slurmctld, slurmd, slurmrestd.
 
 Everything lives under one folder (config, keys, state, spool, logs, the munge socket) and every
 daemon listens on a free loopback port, so it cannot clash with a site Slurm or another test run.
@@ -10,10 +10,11 @@ known to work in containers as root: `SlurmUser=root`, `ProctrackType=proctrack/
 `cred_expire=5` shortens how long a requeued job waits before it may start again (120 s by
 default) and `sched_interval=1` makes the scheduler notice that at once.
 
-It lives in tests/, not in the product package, on purpose: it runs the daemons as root with
-their security turned off (`disable_user_check`, `munged --force`), which nobody should deploy.
-It is built on the one harness (`robust_metrics.processes`: ports, spawning, stopping, waiting),
-so the tests (`tests/slurm/fixture.py`) and `bench/schedulers.py` start the same thing the same
+It lives in bench/, beside the benchmark that runs it (`bench/schedulers.py`), and not in the
+product package, on purpose: it runs the daemons as root with their security turned off
+(`disable_user_check`, `munged --force`), which nobody should deploy. The Slurm tests import it
+from here (`tests/slurm/fixture.py`). It is built on the one harness (`robust_metrics.processes`:
+ports, spawning, stopping, waiting), so the tests and the benchmark start the same thing the same
 way, and a daemon left running fails the test session like any other process.
 
 Teardown cancels every job, stops the daemons, and then kills any process still carrying this

@@ -1,4 +1,5 @@
-"""Synthetic traces with known causes, for the what-if tests and benchmark (not shipped).
+"""Synthetic traces with known causes: to try the what-if analysis without a cluster, and for its
+tests and benchmark (bench/whatif.py).
 
 A small executor runs a Megatron-style 1F1B schedule (PP x DP, no interleaving) as per-stage
 programs: compute ops run back to back; p2p ops are posted in batches (like Megatron's batched

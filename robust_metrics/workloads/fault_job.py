@@ -1,7 +1,8 @@
 """A DDP training job (an MLP with Adam on gloo) with one `watch()` line and injectable faults.
 
-Used by the end-to-end alert tests and bench/detection_matrix.py. Every rank runs it; a fault
-option names the rank it applies to (-1: none). Steps take `--compute` seconds of simulated
+Used by the end-to-end alert tests (tests/integration/test_alerts_sidecar_e2e.py) and
+bench/detection_matrix.py. Every rank runs it; a fault option names the rank it applies to (-1:
+none). Steps take `--compute` seconds of simulated
 compute (a sleep in forward, split with backward) plus `--step-sleep`, so slowdown factors are
 exact on a shared CPU.
 
