@@ -1,4 +1,5 @@
-"""The deployment files in deploy/ are valid for the tools that read them."""
+"""The deployment files in exporters/ (the node exporter and its scraping) and deploy/ (the rest)
+are valid for the tools that read them."""
 
 from __future__ import annotations
 
@@ -14,19 +15,20 @@ import yaml
 from robust_metrics import rules
 from tests.support import ROOT, require_binary
 
+EXPORTERS = ROOT / "exporters"
 DEPLOY = ROOT / "deploy"
 
 
 def test_scrape_config_passes_promtool() -> None:
     promtool = require_binary("promtool")
-    result = subprocess.run([promtool, "check", "config", str(DEPLOY / "prometheus" /
+    result = subprocess.run([promtool, "check", "config", str(EXPORTERS / "prometheus" /
                                                              "scrape.yml")],
                             capture_output=True, text=True, timeout=30)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_daemonset_can_see_ranks_dump_stacks_and_read_sysfs_read_only() -> None:
-    docs = list(yaml.safe_load_all((DEPLOY / "kubernetes" / "sidecar.yaml").read_text()))
+    docs = list(yaml.safe_load_all((EXPORTERS / "kubernetes" / "sidecar.yaml").read_text()))
     kinds = {d["kind"]: d for d in docs}
     assert {"DaemonSet", "Service", "PodMonitor"} <= set(kinds)
     pod = kinds["DaemonSet"]["spec"]["template"]["spec"]
@@ -49,7 +51,7 @@ def test_daemonset_can_see_ranks_dump_stacks_and_read_sysfs_read_only() -> None:
 
 def _prolog(directory: Path) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "ROBUST_METRICS_DIR": str(directory), "SLURM_JOB_ID": "41"}
-    return subprocess.run(["bash", str(DEPLOY / "slurm" / "prolog.sh")], env=env,
+    return subprocess.run(["bash", str(EXPORTERS / "slurm" / "prolog.sh")], env=env,
                            capture_output=True, text=True, timeout=30, check=False)
 
 
@@ -73,14 +75,14 @@ def test_slurm_prolog_makes_a_sticky_folder_nobody_lists_and_moves_planted_links
 
 
 def test_slurm_scripts_parse() -> None:
-    for script in (DEPLOY / "slurm").glob("*.sh"):
+    for script in (EXPORTERS / "slurm").glob("*.sh"):
         result = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True,
                                 timeout=10)
         assert result.returncode == 0, f"{script.name}: {result.stderr}"
 
 
 def test_systemd_unit_runs_the_sidecar_on_loopback() -> None:
-    text = (DEPLOY / "systemd" / "robust-metrics-sidecar.service").read_text()
+    text = (EXPORTERS / "systemd" / "robust-metrics-sidecar.service").read_text()
     assert "robust-metrics sidecar" in text and "--listen 127.0.0.1:9741" in text
     assert "RestartPreventExitStatus=2 3" in text
     options = dict(line.split("=", 1) for line in text.splitlines()
@@ -93,7 +95,7 @@ def test_systemd_unit_runs_the_sidecar_on_loopback() -> None:
         assert options[hardening] == "yes", hardening
     analyzer = shutil.which("systemd-analyze")
     if analyzer:
-        result = subprocess.run([analyzer, "verify", "--man=no", str(DEPLOY / "systemd" /
+        result = subprocess.run([analyzer, "verify", "--man=no", str(EXPORTERS / "systemd" /
                                                                      "robust-metrics-sidecar.service")],
                                 capture_output=True, text=True, timeout=30)
         # the ExecStart binary does not exist here; anything else is a unit error
@@ -102,33 +104,34 @@ def test_systemd_unit_runs_the_sidecar_on_loopback() -> None:
         assert not [e for e in errors if "error" in e.lower()], result.stderr
 
 
+VMAGENT = EXPORTERS / "vmagent"
 VM = DEPLOY / "victoriametrics"
 
 
-def _unit_flags(unit: str, binary: str) -> list[str]:
+def _unit_flags(unit: Path, binary: str) -> list[str]:
     """The `-flag=value` arguments of a unit's ExecStart, with ${VAR} left as written."""
-    text = (VM / unit).read_text().replace("\\\n", " ")
+    text = unit.read_text().replace("\\\n", " ")
     line = next(ln for ln in text.splitlines() if ln.startswith(f"ExecStart=/usr/bin/{binary}"))
     return line.split()[1:]
 
 
 def test_vmagent_shards_read_the_shipped_scrape_config(tmp_path: Path) -> None:
-    """Each vmagent shard starts from deploy/prometheus/scrape.yml unchanged, with the flags of
+    """Each vmagent shard starts from exporters/prometheus/scrape.yml unchanged, with the flags of
     its unit; the Kubernetes StatefulSet's config is valid for vmagent as well."""
     vmagent = require_binary("vmagent")
-    flags = _unit_flags("vmagent@.service", "vmagent")
+    flags = _unit_flags(VMAGENT / "vmagent@.service", "vmagent")
     assert "-promscrape.cluster.memberNum=%i" in flags
     assert "-promscrape.cluster.membersCount=${SHARDS}" in flags
-    env = dict(ln.split("=", 1) for ln in (VM / "vmagent.env").read_text().splitlines()
+    env = dict(ln.split("=", 1) for ln in (VMAGENT / "vmagent.env").read_text().splitlines()
                if ln and not ln.startswith("#"))
     local = [f.replace("${SHARDS}", env["SHARDS"]).replace("%i", "1")
              for f in flags if f.startswith("-promscrape.")]
-    local = [f"-promscrape.config={DEPLOY / 'prometheus' / 'scrape.yml'}"
+    local = [f"-promscrape.config={EXPORTERS / 'prometheus' / 'scrape.yml'}"
              if f.startswith("-promscrape.config=") else f for f in local]
     result = subprocess.run([vmagent, "-dryRun", *local], capture_output=True, text=True,
                             timeout=30)
     assert result.returncode == 0, result.stdout + result.stderr
-    docs = {d["kind"]: d for d in yaml.safe_load_all((VM / "kubernetes.yaml").read_text())}
+    docs = {d["kind"]: d for d in yaml.safe_load_all((VMAGENT / "kubernetes.yaml").read_text())}
     (tmp_path / "scrape.yml").write_text(docs["ConfigMap"]["data"]["scrape.yml"])
     result = subprocess.run([vmagent, "-dryRun", f"-promscrape.config={tmp_path / 'scrape.yml'}"],
                             capture_output=True, text=True, timeout=30)
@@ -147,7 +150,7 @@ def test_vmalert_accepts_the_shipped_rules(tmp_path: Path) -> None:
     result = subprocess.run([vmalert, "-dryRun", f"-rule={rules_file}"], capture_output=True,
                             text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
-    flags = _unit_flags("vmalert.service", "vmalert")
+    flags = _unit_flags(VM / "vmalert.service", "vmalert")
     for needed in ("-remoteWrite.url=", "-remoteRead.url=", "-notifier.url=", "-rule="):
         assert any(f.startswith(needed) for f in flags), needed
 

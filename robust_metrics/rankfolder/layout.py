@@ -6,7 +6,7 @@
 - `control/`: mode 0755, the sidecar's alone; ranks only read the request in it.
 - `archive/`: mode 0700, the sidecar's private state.
 
-The Slurm prolog and the systemd unit create the same layout (deploy/); `prepare` repairs it
+The Slurm prolog and the systemd unit create the same layout (exporters/); `prepare` repairs it
 when the sidecar finds the folder made by someone else's tool (a hostPath created 0755).
 """
 

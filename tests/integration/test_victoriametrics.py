@@ -1,6 +1,6 @@
 """The VictoriaMetrics backend for real: two vmagent shards, VictoriaMetrics, vmalert, Alertmanager.
 
-The deployment in deploy/victoriametrics/ splits the sidecars between vmagent shards with
+The deployment in exporters/vmagent/ splits the sidecars between vmagent shards with
 `-promscrape.cluster.membersCount/memberNum`; here two shards scrape four targets and every target
 must be scraped by exactly one of them, and vmalert's alert must reach Alertmanager.
 """

@@ -2,7 +2,7 @@
 # Slurm prolog (root, on every node of the job): make the job's ranks write their metrics where
 # the node sidecar reads them. Set in slurm.conf:  Prolog=/etc/slurm/robust-metrics-prolog.sh
 # and TaskProlog=/etc/slurm/robust-metrics-task-prolog.sh (the task prolog exports the variables).
-# The sidecar itself runs as the systemd unit in deploy/systemd.
+# The sidecar itself runs as the systemd unit in exporters/systemd.
 #
 # Layout and modes (docs/security.md): the folder and ranks/ are root's, mode 1733: every job may
 # create its own files, no job may list the folder or remove or replace another job's files
