@@ -22,7 +22,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 test: $(STAMP) system-deps lint
-	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -q --durations=15 $(PYTEST_ARGS)
 
 demo: $(STAMP) system-deps
 	$(VENV)/bin/robust-metrics demo $(DEMO_ARGS)
