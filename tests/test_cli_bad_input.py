@@ -17,9 +17,9 @@ from robust_metrics.analysis.flight_recorder import analyse_dumps, load_dump
 from robust_metrics.analysis.stacks import analyse
 from robust_metrics.analysis.stacks_cli import format_report
 from robust_metrics.analysis.whatif.cli import parse_steps
+from robust_metrics.analysis.whatif.synthetic import SyntheticJob, generate
 from robust_metrics.cli import main
 from robust_metrics.rankfolder.identity import rank_info
-from robust_metrics.analysis.whatif.synthetic import SyntheticJob, generate
 
 FAST = settings(max_examples=150, deadline=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture,

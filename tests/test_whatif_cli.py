@@ -7,8 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from robust_metrics.cli import main
 from robust_metrics.analysis.whatif.synthetic import SyntheticJob, generate
+from robust_metrics.cli import main
 
 ST = Path(__file__).parent / "fixtures" / "whatif-ST"
 TRACE, META = str(ST / "trace-ST.parquet"), str(ST / "meta-ST.yaml")
