@@ -1,8 +1,16 @@
 """Hook overhead: CPU time the hook adds per training step, against the same loop without it and
 against a peer, nvidia-resiliency-ext's straggler sections, in the same run.
 
-A 2-layer 256-wide MLP under DDP on a 1-rank gloo group (DDP's reducer and all-reduce are on the
-path) with ~1.2 ms steps. One model trains under every variant in turn, `--steps` steps each,
+A 2-layer 256-wide MLP on gloo, `--stack`:
+- `ddp` (default): under DDP on a 1-rank group (DDP's reducer and all-reduce are on the path),
+  ~1.2 ms steps;
+- `fsdp2`: `fully_shard` on each layer and the root, on a 1-rank group (every all-gather and
+  reduce-scatter goes through the hook's wrappers);
+- `pp`: two ranks (two processes), one pipeline stage of one layer each under GPipe with 4
+  micro-batches (every send and receive, and its `Work.wait`, goes through the wrappers); both
+  ranks run the same variants in the same order, rank 0 reports its own CPU time.
+
+One model trains under every variant in turn, `--steps` steps each,
 the variants in a rotated order per round (interleaved rounds, so drift on a shared machine hits
 all alike):
 
@@ -43,11 +51,53 @@ import robust_metrics
 Section = Callable[[str], contextlib.AbstractContextManager[Any]]
 
 
-def make() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256))
-    model = DDP(net)
-    return model, torch.optim.SGD(model.parameters(), lr=1e-3)
+class Stack:
+    """The model of one `--stack`, what `watch()` is given, and one training step."""
+
+    def __init__(self, kind: str) -> None:
+        torch.manual_seed(0)
+        self.kind, self.schedule, self.first, self.last = kind, None, True, True
+        net = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(),
+                                  torch.nn.Linear(256, 256))
+        if kind == "ddp":
+            self.model = self.watched = DDP(net)
+        elif kind == "fsdp2":
+            from torch.distributed.fsdp import fully_shard
+
+            for layer in (net[0], net[2]):
+                fully_shard(layer)
+            self.model = self.watched = fully_shard(net)
+        else:
+            self._pipeline()
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=1e-3)
+
+    def _pipeline(self) -> None:
+        from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+        rank, world = dist.get_rank(), dist.get_world_size()
+        self.model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU())
+        self.watched = PipelineStage(self.model, rank, world, torch.device("cpu"))
+        self.schedule = ScheduleGPipe(self.watched, 4, loss_fn=lambda out, y: out.pow(2).mean())
+        self.first, self.last = rank == 0, rank == world - 1
+
+    def forward_backward(self, x: torch.Tensor, section: Section) -> None:
+        if self.schedule is None:
+            with section("forward"):
+                loss = self.model(x).pow(2).mean()
+            with section("backward"):
+                loss.backward()
+            return
+        with section("forward"):  # the schedule runs forward and backward together
+            if self.first:
+                self.schedule.step(x, target=x if self.last else None)
+            elif self.last:
+                self.schedule.step(target=x)
+            else:
+                self.schedule.step()
+
+
+def make(kind: str = "ddp") -> Stack:
+    return Stack(kind)
 
 
 @contextlib.contextmanager
@@ -70,21 +120,22 @@ class CpuSections:
             self.totals[name] = self.totals.get(name, 0.0) + time.perf_counter() - began
 
 
-def loop(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches: list[torch.Tensor],
-         clip: bool, section: Section = _no_section) -> tuple[float, float]:
-    """Run one pass over `batches`; return (process CPU seconds, wall seconds)."""
-    cpu, wall = time.process_time(), time.perf_counter()
+def loop(stack: Stack, batches: list[torch.Tensor], clip: bool,
+         section: Section = _no_section) -> tuple[float, float]:
+    """Run one pass over `batches`; return (CPU seconds, wall seconds). CPU is the process's,
+    except for the pipeline: there gloo's threads spin while a rank waits for its peer, and
+    their CPU follows the peer's timing, so the training thread's CPU is counted (the hook's
+    flusher thread, every 0.25 s, is then left out)."""
+    clock = time.thread_time if stack.schedule is not None else time.process_time
+    cpu, wall = clock(), time.perf_counter()
     for x in batches:
-        with section("forward"):
-            loss = model(x).pow(2).mean()
-        with section("backward"):
-            loss.backward()
+        stack.forward_backward(x, section)
         with section("optimizer"):
             if clip:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-    return time.process_time() - cpu, time.perf_counter() - wall
+                torch.nn.utils.clip_grad_norm_(stack.model.parameters(), 1.0)
+            stack.optimizer.step()
+            stack.optimizer.zero_grad(set_to_none=True)
+    return clock() - cpu, time.perf_counter() - wall
 
 
 def peer_sections() -> tuple[str, Section | None]:
@@ -108,32 +159,33 @@ def peer_sections() -> tuple[str, Section | None]:
             lambda name: straggler.Detector.detection_section(name, profile_cuda=False))
 
 
-def run_variant(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                batches: list[torch.Tensor], clip: bool, variant: dict[str, Any]) -> float:
+def run_variant(stack: Stack, batches: list[torch.Tensor], clip: bool,
+                variant: dict[str, Any]) -> float:
     """CPU seconds per step of the shared model under one variant. The watch is opened before
     and closed after the timed loop: it leaves nothing behind (DDP keeps its own all-reduce),
     so one model serves every variant and model-to-model differences do not enter."""
     options = variant.get("watch")
     section = variant.get("section", _no_section)
-    context = robust_metrics.watch(model, optimizer, **options) if options else \
+    context = robust_metrics.watch(stack.watched, stack.optimizer, **options) if options else \
         contextlib.nullcontext()
     with context:
-        loop(model, optimizer, batches[:5], clip, section)  # the watch's first steps: untimed
-        return loop(model, optimizer, batches, clip, section)[0] / len(batches)
+        loop(stack, batches[:5], clip, section)  # the watch's first steps: untimed
+        return loop(stack, batches, clip, section)[0] / len(batches)
 
 
 def measure(variants: dict[str, dict[str, Any]], clip: bool, steps: int, rounds: int,
-            ) -> tuple[dict[str, dict[str, float]], float]:
+            kind: str = "ddp") -> tuple[dict[str, dict[str, float]], float]:
     """Interleaved rounds; returns per variant the added CPU per step, and the baseline step."""
-    batches = [torch.randn(64, 256) for _ in range(steps)]
-    model, optimizer = make()
-    loop(model, optimizer, batches, clip)  # warm-up, outside the measurement
+    generator = torch.Generator().manual_seed(0)  # the same batches on every rank
+    batches = [torch.randn(64, 256, generator=generator) for _ in range(steps)]
+    stack = make(kind)
+    loop(stack, batches, clip)  # warm-up, outside the measurement
     names = list(variants)
     cpu: dict[str, list[float]] = {n: [] for n in names}
     for r in range(rounds):
         order = names[r % len(names):] + names[:r % len(names)]
         for name in order:
-            cpu[name].append(run_variant(model, optimizer, batches, clip, variants[name]))
+            cpu[name].append(run_variant(stack, batches, clip, variants[name]))
     base = cpu["baseline"]
     out = {}
     for name in names[1:]:
@@ -193,7 +245,25 @@ def callback_costs() -> dict[str, float]:
         timer.grad_ready()
         timer.backward_end()
 
-    cases = {"step end (incl. loss and norm read, step timer)": step_end,
+    import torch.distributed.distributed_c10d as c10d
+
+    payload, gathered = torch.randn(256), torch.empty(256)
+    wrapped_gather = c10d.all_gather_single  # the watch's wrapper, while the watch is open
+    original_gather = handle.tracker.originals["all_gather_single"]
+
+    def collective_wrapper() -> None:
+        wrapped_gather(gathered, payload)
+
+    def collective_plain() -> None:
+        original_gather(gathered, payload)
+
+    def async_and_wait() -> None:
+        wrapped_gather(gathered, payload, async_op=True).wait()
+
+    cases = {"collective wrapper: sync all_gather_single (incl. the collective)": collective_wrapper,
+             "collective wrapper: same call unwrapped": collective_plain,
+             "collective wrapper: async all_gather_single + Work.wait": async_and_wait,
+             "step end (incl. loss and norm read, step timer)": step_end,
              "forward pre-hook": forward,
              "loss capture in backward()": lambda: handle._capture_loss(loss),
              "DDP timing points (gradient ready, backward end)": ddp_points,
@@ -209,15 +279,27 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--rounds", type=int, default=40)
+    parser.add_argument("--stack", choices=("ddp", "fsdp2", "pp"), default="ddp")
     args = parser.parse_args()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29591")
+    if args.stack == "pp":  # two ranks, one stage each
+        import torch.multiprocessing as mp
+
+        mp.spawn(run_rank, args=(2, args), nprocs=2, join=True)
+    else:
+        run_rank(0, 1, args)
+
+
+def run_rank(rank: int, world: int, args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    report = rank == 0
     folder = tempfile.mkdtemp(prefix="robust-bench-")
     peer_name, peer = peer_sections()
     cpu_sections = CpuSections()
-    hook = {"backend": "multiprocess", "metrics_dir": folder, "run": "bench", "port": 19750}
+    hook = {"backend": "multiprocess", "metrics_dir": folder, "run": "bench", "port": 19750,
+            "rank": rank, "world_size": world, "checkpoint_signal": None}
     variants: dict[str, dict[str, Any]] = {
         "baseline": {},
         "hook, defaults": {"watch": hook},
@@ -226,22 +308,35 @@ def main() -> None:
     }
     if peer is not None:
         variants[peer_name] = {"section": peer}
-    results, base = measure(variants, clip=True, steps=args.steps, rounds=args.rounds)
-    print(f"\nbaseline step (fastest round): {1e3 * base:.3f} ms CPU, {args.rounds} interleaved "
-          f"rounds of {args.steps} steps, clip_grad_norm_ on, multiprocess backend")
+    results, base = measure(variants, clip=True, steps=args.steps, rounds=args.rounds,
+                            kind=args.stack)
+    if not report:
+        dist.destroy_process_group()
+        return
+    print(f"\n{args.stack}: baseline step (fastest round): {1e3 * base:.3f} ms CPU, "
+          f"{args.rounds} interleaved rounds of {args.steps} steps, clip_grad_norm_ on, "
+          "multiprocess backend")
     print("| variant | added CPU per step, median of paired rounds | fastest round minus "
           "fastest baseline | of the step |\n|---|---|---|---|")
     for name, r in results.items():
         print(f"| {name} | {r['median_us']:.1f} µs | {r['min_us']:.1f} µs | "
               f"{100 * r['median_us'] * 1e-6 / base:.2f}% |")
     peer_key = peer_name if peer is not None else "CPU sections (perf_counter)"
-    ratio = results["hook, defaults"]["median_us"] / max(results[peer_key]["median_us"], 1e-3)
-    print(f"\nhook defaults / peer ({peer_key}): {ratio:.2f}x")
+    peer_us = results[peer_key]["median_us"]
+    if peer_us > 0:
+        print(f"\nhook defaults / peer ({peer_key}): "
+              f"{results['hook, defaults']['median_us'] / peer_us:.2f}x")
+    else:
+        print(f"\npeer ({peer_key}) below this run's noise: no ratio")
+    if args.stack != "ddp":
+        dist.destroy_process_group()
+        return
     print("\n| hook callback | CPU per call |\n|---|---|")
     costs = callback_costs()
     for name, seconds in costs.items():
         print(f"| {name} | {1e6 * seconds:.1f} µs |")
-    per_step = sum(v for k, v in costs.items() if not k.startswith("gradient norm"))
+    per_step = sum(v for k, v in costs.items()
+                   if not k.startswith(("gradient norm", "collective wrapper")))
     print(f"| sum per step when the user clips (DDP) | {1e6 * per_step:.1f} µs |")
     sections = {"CPU sections (perf_counter)": cpu_sections.section}
     if peer is not None:

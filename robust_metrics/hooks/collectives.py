@@ -120,27 +120,31 @@ def _positions(fn: Callable[..., Any], name: str) -> int | None:
 _PEER_ARGUMENTS = ("dst", "src", "group_dst", "group_src")
 
 
-def _pair_label(pg: Any, group: str, args: tuple[Any, ...], kwargs: dict[str, Any],
-                peer_at: dict[str, int | None]) -> str:
+def _peer(pg: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+          peer_at: dict[str, int | None]) -> int | None:
+    """The global rank a send or receive connects to (from `dst`/`src` or their group ranks)."""
+    import torch.distributed as dist
+
+    for name in ("dst", "src"):
+        peer = _argument(args, kwargs, name, peer_at[name])
+        if peer is not None:
+            return int(peer)
+    for name in ("group_dst", "group_src"):
+        group_peer = _argument(args, kwargs, name, peer_at[name])
+        if group_peer is not None:
+            pg = pg if pg is not None else dist.distributed_c10d._get_default_group()
+            return int(dist.get_global_rank(pg, int(group_peer)))
+    return None
+
+
+def _pair_label(group: str, peer: int) -> str:
     """Where a send or receive counts as entered: the pair of global ranks it connects, within its
     group (`pp:0-1`). A pipeline stage sends and receives more or less than its neighbours
     (the first and last stages half as much), so counts per group would name the end stages
     in every hang; within a pair, each send meets one receive and healthy counts agree."""
     import torch.distributed as dist
 
-    peer = _argument(args, kwargs, "dst", peer_at["dst"])
-    if peer is None:
-        peer = _argument(args, kwargs, "src", peer_at["src"])
-    if peer is None:
-        group_peer = _argument(args, kwargs, "group_dst", peer_at["group_dst"])
-        if group_peer is None:
-            group_peer = _argument(args, kwargs, "group_src", peer_at["group_src"])
-        if group_peer is None:
-            return group
-        pg = pg if pg is not None else dist.distributed_c10d._get_default_group()
-        peer = dist.get_global_rank(pg, int(group_peer))
-    me = dist.get_rank()
-    low, high = sorted((int(me), int(peer)))
+    low, high = sorted((int(dist.get_rank()), peer))
     return f"{group}:{low}-{high}"
 
 
@@ -159,6 +163,7 @@ class _Launch:
     started: float
     begin: Any
     counted: str | None = None  # where entered/completed are counted, when not `group`
+    peer: int | None = None  # the global rank a send or receive connects to
     done: bool = False
 
 
@@ -232,8 +237,8 @@ class CollectiveTracker:
         self.calls = _CallScope()
         self.pending = _Pending()
         self._no_future: set[tuple[str, str]] = set()
-        # (op, group, begin mark, end mark) of each collective waited for: the what-if trace
-        self.on_span: Callable[[str, str, Any, Any], None] | None = None
+        # (op, peer of a send/recv, begin mark, end mark) of each collective: what-if traces
+        self.on_span: Callable[[str, int | None, Any, Any], None] | None = None
 
     def watch_group(self, group: Any) -> None:
         """First use of a process group: an NCCL group gets the completion hook, because host
@@ -382,8 +387,10 @@ class CollectiveTracker:
                 if id(pg) not in tracker._seen_groups:
                     tracker.watch_group(pg)
                 group = group_label(pg)
-                counted = _pair_label(pg, group, args, kwargs, peer_at) if peer_at else None
-                launch = tracker.enter(op, group, _payload_bytes(args[0]) if args else 0, counted)
+                peer = _peer(pg, args, kwargs, peer_at) if peer_at else None
+                counted = _pair_label(group, peer) if peer is not None else None
+                launch = tracker.enter(op, group, _payload_bytes(args[0]) if args else 0,
+                                       counted, peer)
             except Exception as exc:  # accounting must never break the collective
                 tracker._on_error("collectives", exc)
                 return original(*args, **kwargs)
@@ -421,10 +428,11 @@ class CollectiveTracker:
         return wait
 
     # -- launches, waits and completions ---------------------------------------------------
-    def enter(self, op: str, group: str, nbytes: int, counted: str | None = None) -> _Launch:
+    def enter(self, op: str, group: str, nbytes: int, counted: str | None = None,
+              peer: int | None = None) -> _Launch:
         """A collective entered: counted, its bytes added, its start marked."""
         return _Launch(op, group, self.launch(op, group, nbytes, counted), self.timer.mark(),
-                       counted)
+                       counted, peer)
 
     def finish(self, launch: _Launch, begin: Any = None) -> None:
         """The caller waited for `launch` from `begin` (its start when None) until now."""
@@ -439,7 +447,7 @@ class CollectiveTracker:
             launch.done = True
         self.complete(launch.op, launch.group, launch.started, launch.counted)
         if self.on_span is not None:
-            self.on_span(launch.op, launch.group, launch.begin, self.timer.mark())
+            self.on_span(launch.op, launch.peer, launch.begin, self.timer.mark())
 
     def pending_work(self, work: Any, launch: _Launch) -> None:
         """An async `Work`: completed by its future where the backend has one (gloo

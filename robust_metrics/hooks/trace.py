@@ -13,8 +13,10 @@ one JSON line per op in the what-if format (`robust_metrics/optrace.py`), into
   straggler;
 - `gc`: Python GC pauses of the step, summed, placed after the last compute;
 - `optimizer`: `optimizer.step()`;
-- anything else the user marks with `span(optype)`, e.g. pipeline p2p
-  (`with span("forward-send"): dist.send(...)`).
+- `forward-send`, `forward-recv`, `backward-send`, `backward-recv`: a pipeline stage's sends and
+  receives, from the collective tracker (launch to the end of the wait);
+- `backward-compute` of a pipeline stage: each `torch.autograd.backward` the schedule runs;
+- anything else the user marks with `span(optype)`.
 
 dp_rank and stage come from `topology` (`dp_rank`, `pp_rank`), else dp_rank = rank, stage 0.
 Every point is a mark of the watch's timing source (`robust_metrics.hooks.timing`): the host
@@ -43,7 +45,6 @@ from robust_metrics.hooks.timing import HostClock, TimingSource
 __all__ = ["TraceRecorder", "span"]
 
 _active: TraceRecorder | None = None
-_COLLECTIVE_OPTYPES = {"all_gather": "params-all-gather", "reduce_scatter": "grads-reduce-scatter"}
 
 
 class TraceRecorder:
@@ -72,6 +73,7 @@ class TraceRecorder:
         self._ops: list[tuple[str, Any, Any, int]] = []  # optype, start mark, end mark, mb
         self._forward_start: Any = None
         self._backward: list[tuple[Any, Any]] = []
+        self._in_backward = False
         self._forwards = 0
         self._gc_total = 0.0
         self._gc_started = 0.0
@@ -108,9 +110,12 @@ class TraceRecorder:
             for handle in (optimizer.register_step_pre_hook(self._guard(self._on_opt_pre)),
                            optimizer.register_step_post_hook(self._guard(self._on_opt_post))):
                 undo.append(handle.remove)
-        original = torch.Tensor.backward
-        torch.Tensor.backward = self._wrap_backward(original)
-        undo.append(lambda: setattr(torch.Tensor, "backward", original))
+        # Tensor.backward (a training loop) and torch.autograd.backward (what pipeline
+        # schedules call per micro-batch; Tensor.backward calls it too: counted once).
+        for owner in (torch.Tensor, torch.autograd):
+            original = owner.backward
+            owner.backward = self._wrap_backward(original)
+            undo.append(functools.partial(setattr, owner, "backward", original))
         gc.callbacks.append(self._on_gc)
         undo.append(lambda: gc.callbacks.remove(self._on_gc))
         undo.append(self.close)
@@ -157,12 +162,14 @@ class TraceRecorder:
 
         @functools.wraps(original)
         def backward(tensor: Any, *args: Any, **kwargs: Any) -> Any:
-            if not recorder.sampled:
+            if not recorder.sampled or recorder._in_backward:
                 return original(tensor, *args, **kwargs)
             began = recorder._now()
+            recorder._in_backward = True
             try:
                 return original(tensor, *args, **kwargs)
             finally:
+                recorder._in_backward = False
                 with contextlib.suppress(Exception):
                     recorder._backward.append((began, recorder._now()))
 
@@ -201,12 +208,18 @@ class TraceRecorder:
         while self._pending and self._pending[0].reached(self.source):
             self._write(self._pending.pop(0).resolve(self.source))
 
-    def add_collective(self, op: str, group: str, began: Any, ended: Any) -> None:
-        """A collective the tracker saw: FSDP's parameter all-gathers and gradient
-        reduce-scatters are the what-if's data-parallel ops; others are not modelled."""
-        optype = _COLLECTIVE_OPTYPES.get(op)
-        if optype is not None:
-            self.add_span(optype, began, ended)
+    def add_collective(self, op: str, peer: int | None, began: Any, ended: Any) -> None:
+        """A collective the tracker saw. A send or receive is a pipeline op: forward when it goes
+        to a later rank or comes from an earlier one (the stage order of GPipe and 1F1B; an
+        interleaved schedule's wrap-around is not told apart). FSDP's per-layer all-gathers and
+        reduce-scatters run inside the forward and backward they serve and stay part of those
+        computes: the what-if's data-parallel ops are one per model chunk (Megatron's)."""
+        if op not in ("send", "recv") or peer is None:
+            return
+        if not self._in_step:  # a pipeline stage's first receive comes before its forward
+            self._begin_step()
+        forward = (peer > self.rank) == (op == "send")
+        self.add_span(f"{'forward' if forward else 'backward'}-{op}", began, ended)
 
     def add_span(self, optype: str, began: Any, ended: Any) -> None:
         """Record a user-marked op (see `span`) in the current sampled step."""
