@@ -183,6 +183,64 @@ def test_the_watch_times_cuda_models_with_events(
     assert fake_cuda.elapsed_calls == 2
 
 
+class SideSource:
+    """A TimingSource with two streams: the step's ("compute") and a side stream."""
+
+    host = False
+
+    def __init__(self) -> None:
+        self.current, self.time = "compute", 0.0
+
+    def mark(self) -> tuple[str, float]:
+        return (self.current, self.time)
+
+    def ready(self, mark: tuple[str, float]) -> bool:
+        return True
+
+    def elapsed(self, begin: tuple[str, float], end: tuple[str, float]) -> float:
+        return end[1] - begin[1]
+
+    def side_stream(self) -> str | None:
+        return None if self.current == "compute" else self.current
+
+    def is_step_stream(self, stream: object) -> bool:
+        return stream == "compute"
+
+
+def test_a_wait_on_a_side_stream_is_not_the_steps_and_the_stream_is_remembered() -> None:
+    """FSDP2's all-gather stream waits for peers while compute runs: not blocked time."""
+    source = SideSource()
+    timer = StepTimer(source)
+    source.current, source.time = "all_gather", 1.0
+    begin = timer.mark()
+    source.time = 1.5
+    timer.blocked(begin)
+    assert timer.side_streams == {"all_gather"}
+    source.current = "compute"
+    begin = timer.mark()
+    source.time = 1.7
+    timer.blocked(begin)  # the step's stream waited 0.2 s
+    source.time = 2.0
+    ((seconds, blocked),) = timer.step_end(host_seconds=2.0)
+    assert (seconds, blocked) == pytest.approx((2.0, 0.2))  # not the side stream's 0.5 s
+
+
+def test_a_cuda_timed_watch_wraps_stream_waits_and_restores_them(
+        fake_cuda: type[FakeEvent], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the step's stream waits for side streams (hooks/streams.py): only while a watch
+    times a CUDA model; a CPU model leaves torch.cuda.Stream alone."""
+    originals = (torch.cuda.Stream.record_event, torch.cuda.Stream.wait_event)
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with robust_metrics.watch(model, optimizer, backend="null", run="t"):
+        assert (torch.cuda.Stream.record_event, torch.cuda.Stream.wait_event) == originals
+    monkeypatch.setattr(timing, "source_for", lambda device: CudaEvents())
+    with robust_metrics.watch(model, optimizer, backend="null", run="t"):
+        assert torch.cuda.Stream.record_event._robust_metrics  # type: ignore[attr-defined]
+        assert torch.cuda.Stream.wait_event._robust_metrics  # type: ignore[attr-defined]
+    assert (torch.cuda.Stream.record_event, torch.cuda.Stream.wait_event) == originals
+
+
 def test_host_clock_blocked_time_is_the_call(tmp_path: Path) -> None:
     timer = StepTimer(HostClock())
     begin = timer.mark()

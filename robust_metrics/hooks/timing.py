@@ -17,6 +17,13 @@ is ready to when backward returns), and at each step end returns the `(step, blo
 every earlier step whose marks are reached. On the host that is the step just ended; with CUDA
 events it is usually the one before: nothing here ever synchronises the device.
 
+Blocked is time the *step's* stream waits. FSDP2 issues its all-gathers and reduce-scatters as
+sync calls on side streams of their own (`all_gather_single(async_op=False)` while its all-gather
+stream is current), where they overlap compute: a wait there is the side stream's, not the
+rank's. So an interval marked on a side stream is not counted; that stream is remembered as
+carrying communication, and the step's stream waiting for an event recorded on it (FSDP2's
+copy-out, its reduce-scatter waits) is the blocked time instead (`robust_metrics.hooks.streams`).
+
 `DdpProbe` finds those two DDP points with post-accumulate-grad hooks and an autograd final
 callback, and leaves DDP's own C++ all-reduce in place (no Python communication hook).
 """
@@ -43,6 +50,12 @@ class TimingSource(Protocol):
     def mark(self) -> Mark: ...
     def ready(self, mark: Mark) -> bool: ...
     def elapsed(self, begin: Mark, end: Mark) -> float: ...
+    def side_stream(self) -> Any:
+        """The current stream when it is not the one the step runs on, else None."""
+        ...
+    def is_step_stream(self, stream: Any) -> bool:
+        """Whether `stream` is the one the step runs on."""
+        ...
 
 
 class HostClock:
@@ -59,6 +72,12 @@ class HostClock:
     def elapsed(self, begin: float, end: float) -> float:
         return end - begin
 
+    def side_stream(self) -> None:
+        return None  # the host is one thread of work: a blocked call blocks the step
+
+    def is_step_stream(self, stream: Any) -> bool:
+        return True
+
 
 class CudaEvents:
     """Timing events on the current CUDA stream, read with `query()` once reached.
@@ -70,15 +89,29 @@ class CudaEvents:
 
     host = False
 
-    def __init__(self) -> None:
+    def __init__(self, device: Any = None) -> None:
         import torch
 
         self._event = torch.cuda.Event
+        self._current: Callable[[], Any] | None = torch.cuda.current_stream
+        try:  # the step's stream: the one current for the model's device when the watch starts
+            self.step_stream = torch.cuda.current_stream(device)
+        except Exception:  # no CUDA runtime to ask (a faked event boundary): one stream
+            self.step_stream = self._current = None
 
     def mark(self) -> Any:
         event = self._event(enable_timing=True)
         event.record()
         return event
+
+    def side_stream(self) -> Any:
+        if self._current is None:
+            return None
+        stream = self._current()
+        return None if stream == self.step_stream else stream
+
+    def is_step_stream(self, stream: Any) -> bool:
+        return bool(stream == self.step_stream)
 
     def ready(self, mark: Any) -> bool:
         return bool(mark.query())
@@ -90,8 +123,11 @@ class CudaEvents:
 def source_for(device: Any) -> TimingSource:
     """CUDA events when the model lives on a CUDA device, else the host clock."""
     if device is not None and getattr(device, "type", "") == "cuda":
-        return CudaEvents()
+        return CudaEvents(device)
     return HostClock()
+
+
+_MAX_SIDE_STREAMS = 64  # a job has a few (FSDP2: all-gather, reduce-scatter, all-reduce)
 
 
 @dataclass
@@ -122,12 +158,24 @@ class StepTimer:
         self._last_end: Mark | None = None
         self._pending: deque[_Step] = deque()
         self.last_window: tuple[Mark, Mark] | None = None
+        self.side_streams: set[Any] = set()  # side streams that carried a collective
 
     def mark(self) -> Mark:
         return self.source.mark()
 
     def blocked(self, begin: Mark) -> None:
-        """The rank was blocked from `begin` until now (a sync collective, a `Work.wait()`)."""
+        """The rank was blocked from `begin` until now (a sync collective, a `Work.wait()`).
+
+        Unless a side stream is current (FSDP2's all-gather and reduce-scatter streams): then
+        that stream waited while the step's stream may have computed, and nothing is counted
+        here; the stream is remembered, so that the step's stream waiting for it counts
+        (`robust_metrics.hooks.streams`).
+        """
+        side = self.source.side_stream()
+        if side is not None:
+            if len(self.side_streams) < _MAX_SIDE_STREAMS:
+                self.side_streams.add(side)
+            return
         end = self.source.mark()
         with self._lock:
             self._intervals.append((begin, end))

@@ -216,6 +216,8 @@ class Watch:
         self.tracker.timer = StepTimer(source_for(self._cuda))  # CUDA events on GPU models
         self.tracker.patch()
         self._restore.append(self.tracker.unpatch)
+        if not self.tracker.timer.source.host:  # where the step's stream waits for FSDP2's
+            self._install_streams()
         if not (dist.is_available() and dist.is_initialized()):
             return
         self.tracker.watch_group(None)  # the default group; others on their first collective
@@ -223,6 +225,13 @@ class Watch:
         wrapped = [m for m in self.modules if ddp is not None and isinstance(m, ddp)]
         if wrapped:
             self._install_ddp_probe(wrapped[0])
+
+    def _install_streams(self) -> None:
+        """The step's CUDA stream waiting for collectives on side streams is blocked time."""
+        from robust_metrics.hooks import streams
+
+        for (owner, name), original in streams.patch(self.tracker).items():
+            self._restore.append(functools.partial(setattr, owner, name, original))
 
     def _install_ddp_probe(self, model: Any) -> None:
         """DDP keeps its C++ all-reduce; its exposed tail is timed from two points per step."""
