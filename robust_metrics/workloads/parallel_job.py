@@ -12,11 +12,15 @@ backward, and over micro-batches) in a sleep, so that a slowdown factor is exact
 `--amp-skip-every N` runs fp16-style loss scaling with `torch.amp.GradScaler` and injects an
 overflow every N steps (the scaler skips that step). `--heavy-last-stage K`: the last pipeline stage
 gets K times the blocks (real work, no sleep). `--stop-rank` SIGSTOPs itself at `--stop-step`.
+`--device cuda` runs it on GPUs with NCCL (one per `LOCAL_RANK`): the sleeps become GPU kernels
+of the same length (`torch.cuda._sleep`, calibrated), device time the host does not wait for, and
+each step ends with a synchronisation, as a job that reads its loss every step.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import threading
@@ -53,6 +57,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--stop-rank", type=int, default=-1)
     a("--stop-step", type=int, default=20)
     a("--tp", type=int, default=2, help="tensor-parallel degree of fsdp2_tp")
+    a("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: NCCL, a GPU per LOCAL_RANK")
     return p.parse_args(argv)
 
 
@@ -62,13 +67,37 @@ class Sleep(torch.autograd.Function):
     @staticmethod
     def forward(ctx: object, x: torch.Tensor, pace: Pace) -> torch.Tensor:  # type: ignore[override]
         ctx.pace = pace  # type: ignore[attr-defined]
-        time.sleep(pace.forward)
+        spend(pace.forward, x)
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        time.sleep(ctx.pace.backward)  # type: ignore[attr-defined]
+        spend(ctx.pace.backward, grad)  # type: ignore[attr-defined]
         return grad, None
+
+
+_gpu_cycles_per_second = 0.0
+
+
+def spend(seconds: float, like: torch.Tensor) -> None:
+    """Simulated compute: a host sleep on the CPU; on a GPU a kernel that spins as long."""
+    if like.is_cuda and _gpu_cycles_per_second:
+        torch.cuda._sleep(int(seconds * _gpu_cycles_per_second))
+    else:
+        time.sleep(seconds)
+
+
+def calibrate_gpu_sleep() -> None:
+    """Cycles per second of `torch.cuda._sleep` on this rank's GPU (before the watch)."""
+    global _gpu_cycles_per_second
+    cycles = 20_000_000
+    torch.cuda._sleep(cycles)  # warm-up
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    end.synchronize()
+    _gpu_cycles_per_second = cycles / (start.elapsed_time(end) / 1000.0)
 
 
 class Pace:
@@ -116,15 +145,19 @@ class Job:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.device = torch.device("cuda", torch.cuda.current_device()) \
+            if args.device == "cuda" else torch.device("cpu")
         per_block = args.compute / 2 / args.blocks / self._calls()
         self.pace = Pace(per_block, per_block)
         self.optimizer_sleep = 0.0
         self.schedule = None
         self.scaler = None
         torch.manual_seed(0)
-        getattr(self, f"_build_{args.stack}")()
+        with self.device if self.device.type == "cuda" else contextlib.nullcontext():
+            getattr(self, f"_build_{args.stack}")()  # modules made on the job's device
         if args.amp_skip_every:
-            self.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=1000)
+            self.scaler = torch.amp.GradScaler(self.device.type, init_scale=2.0 ** 8,
+                                               growth_interval=1000)
 
     # -- stacks ----------------------------------------------------------------------------
     def _build_ddp(self) -> None:
@@ -153,7 +186,7 @@ class Job:
     def _build_tp(self) -> None:
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh("cpu", (self.world,), mesh_dim_names=("tp",))
+        mesh = init_device_mesh(self.device.type, (self.world,), mesh_dim_names=("tp",))
         model = Model(self.args.width, self.args.blocks, self.pace)
         self._parallelize(model, mesh)
         self.model = self.watched = model
@@ -181,7 +214,7 @@ class Job:
         from torch.distributed.device_mesh import init_device_mesh
 
         tp = self.args.tp
-        mesh = init_device_mesh("cpu", (self.world // tp, tp), mesh_dim_names=("dp", "tp"))
+        mesh = init_device_mesh(self.device.type, (self.world // tp, tp), mesh_dim_names=("dp", "tp"))
         model = Model(self.args.width, self.args.blocks, self.pace)
         self._parallelize(model, mesh["tp"])
         self._shard(model, mesh["dp"])
@@ -198,7 +231,7 @@ class Job:
 
         args = self.args
         pp = self.world // dp
-        mesh = init_device_mesh("cpu", (pp, dp), mesh_dim_names=("pp", "dp"))
+        mesh = init_device_mesh(self.device.type, (pp, dp), mesh_dim_names=("pp", "dp"))
         pp_rank = mesh["pp"].get_local_rank()
         per_rank = 2 if args.schedule == "interleaved" else 1
         stage_ids = [pp_rank + i * pp for i in range(per_rank)]
@@ -211,7 +244,7 @@ class Job:
             if dp > 1:
                 self._shard(module, mesh["dp"])
             modules.append(module)
-            stages.append(PipelineStage(module, sid, total, torch.device("cpu"),
+            stages.append(PipelineStage(module, sid, total, self.device,
                                         group=mesh["pp"].get_group()))
         kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
                 "interleaved": ScheduleInterleaved1F1B}[args.schedule]
@@ -253,6 +286,7 @@ class Job:
             x = torch.randn(4, 2 * self.world, args.width, generator=generator)
             x = x.chunk(self.world, dim=1)[self.rank].contiguous()
         target = torch.zeros(*x.shape[:-1], 1)
+        x, target = x.to(self.device), target.to(self.device)
         if self.schedule is not None:
             if self.first:
                 self.schedule.step(x, target=target if self.last else None)
@@ -274,7 +308,7 @@ class Job:
             else:
                 loss.backward()
         if self.optimizer_sleep:
-            time.sleep(self.optimizer_sleep)
+            spend(self.optimizer_sleep, x)
         if self.scaler is not None:
             self.scaler.step(optimizer)
             self.scaler.update()
@@ -285,12 +319,21 @@ class Job:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    dist.init_process_group("gloo")
+    if args.device == "cuda":
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+        calibrate_gpu_sleep()
+    else:
+        dist.init_process_group("gloo")
     job = Job(args)
     optimizer = torch.optim.AdamW(job.model.parameters(), lr=1e-3)
     generator = torch.Generator().manual_seed(1234)  # the same batch on every rank
     if args.compile:  # compile before the watch, as a job warms up before it trains
         job.step(-1, optimizer, generator)
+    if job.device.type == "cuda":  # lazy inits and NCCL communicators before the watch
+        job.step(-1, optimizer, generator)
+        torch.cuda.synchronize()
     handle = robust_metrics.watch(job.watched, optimizer)
     if job.rank == args.slow_rank:
         job.slow_down()
@@ -300,14 +343,17 @@ def main(argv: list[str] | None = None) -> None:
             if step == args.stop_step and job.rank == args.stop_rank:
                 stop_self_later(0.02)
             job.step(step, optimizer, generator)
-            if args.duration and _agree_to_stop(time.time() - started >= args.duration):
+            if job.device.type == "cuda":
+                torch.cuda.synchronize()  # the job's own, as reading the loss: the hook adds none
+            if args.duration and _agree_to_stop(time.time() - started >= args.duration,
+                                                job.device):
                 break
     dist.barrier()
     dist.destroy_process_group()
 
 
-def _agree_to_stop(mine: bool) -> bool:
-    flag = torch.tensor([int(mine)])
+def _agree_to_stop(mine: bool, device: torch.device) -> bool:
+    flag = torch.tensor([int(mine)], device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag.item())
 
