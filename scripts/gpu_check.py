@@ -10,9 +10,13 @@ Runs each check in its own process with a time limit and prints a verdict table:
 | events | CUDA-event step timing sees a deliberately slowed kernel (the host clock cannot) |
 | nccl | a 1-rank NCCL group: durations come from the completion hook, counts match |
 | nosync | `torch.cuda.set_sync_debug_mode("error")` over a hooked DDP loop: no added sync |
+| streams | FSDP2's stream pattern on 1 GPU: the step's wait for a late side-stream all-gather is blocked |
+| fsdp2 | 2 NCCL ranks of `parallel_job --stack fsdp2 --device cuda`, rank 1 1.3x slower: named |
+| pp | the same with a 2-stage GPipe pipeline (P2P works waited on the compute stream) |
 
 Exit status 0 when every check passes, 1 when one fails, 2 when there is no GPU (nothing ran).
-Needs a CUDA build of torch and NCCL; 1 GPU is enough.
+Needs a CUDA build of torch and NCCL; 1 GPU runs every check but `fsdp2` and `pp`, which need 2
+(one NCCL rank per GPU) and are SKIP with fewer. At most about 5 minutes in all (the limits below).
 """
 
 from __future__ import annotations
@@ -20,15 +24,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
-CHECKS = ("nvml", "events", "nccl", "nosync")
-LIMIT_SECONDS = 60  # per check; four checks stay under 5 minutes with start-up
+CHECKS = ("nvml", "events", "nccl", "nosync", "streams", "fsdp2", "pp")
+# seconds per check, start-up included: 290 s in all
+LIMITS = {"nvml": 30, "events": 40, "nccl": 40, "nosync": 40, "streams": 40, "fsdp2": 50, "pp": 50}
 
 
 @dataclass
@@ -100,6 +108,32 @@ def judge_events(event_step: float, slow: float, base: float, wall_step: float) 
     detail = (f"event step {1e3 * event_step:.2f} ms, synchronised wall step "
               f"{1e3 * wall_step:.2f} ms, slow kernel {1e3 * slow:.2f} ms")
     return Verdict("events", "PASS" if ok else "FAIL", detail)
+
+
+def judge_streams(blocked: float, late: float, overlap: float) -> Verdict:
+    """The step's stream waits `late - overlap` for the side stream's all-gather: that, within
+    25%, is blocked (marks on the side stream alone would give about 0)."""
+    expected = late - overlap
+    ok = abs(blocked - expected) <= 0.25 * expected
+    detail = (f"blocked {1e3 * blocked:.2f} ms per step, the compute stream's wait "
+              f"{1e3 * expected:.2f} ms (side stream held {1e3 * late:.2f} ms, "
+              f"{1e3 * overlap:.2f} ms of it overlapped by compute)")
+    return Verdict("streams", "PASS" if ok else "FAIL", detail)
+
+
+def judge_straggler(check: str, computes: list[float], slow: int, errors: float, steps: list[float],
+                    expected_steps: int) -> Verdict:
+    """The slowed rank's mean compute >= 1.2x the median of the others', no other above 1.1x,
+    every step counted, no hook error."""
+    if not computes or min(computes) <= 0:
+        return Verdict(check, "FAIL", f"no compute time published: {computes}")
+    ratios = [c / statistics.median(computes[:r] + computes[r + 1:])
+              for r, c in enumerate(computes)]
+    named = ratios[slow] >= 1.2 and all(x <= 1.1 for r, x in enumerate(ratios) if r != slow)
+    ok = named and not errors and all(s == expected_steps for s in steps)
+    detail = (f"compute ratios {', '.join(f'{x:.2f}' for x in ratios)} (rank {slow} slowed "
+              f"1.3x), steps {steps}, hook errors {errors:.0f}")
+    return Verdict(check, "PASS" if ok else "FAIL", detail)
 
 
 def table(verdicts: list[Verdict]) -> str:
@@ -268,17 +302,117 @@ def check_nosync() -> Verdict:
         dist.destroy_process_group()
 
 
+def check_streams() -> Verdict:
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29597")
+    import torch
+    import torch.distributed as dist
+
+    import robust_metrics
+
+    dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    try:
+        cycles_per_second = 20_000_000 / _slow_kernel_seconds(torch, 20_000_000)
+        late, overlap = 0.020, 0.005
+        model = torch.nn.Linear(64, 64).cuda()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        x, shard = torch.randn(32, 64, device="cuda"), torch.ones(2**20, device="cuda")
+        gathered = torch.empty_like(shard)  # one rank: the gathered tensor is the shard
+        side = torch.cuda.Stream()
+
+        def step() -> None:
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # as FSDP2's foreach_all_gather
+                torch.cuda._sleep(int(late * cycles_per_second))  # a peer that comes late
+                dist.all_gather_single(gathered, shard)
+                event = side.record_event()
+            torch.cuda._sleep(int(overlap * cycles_per_second))  # compute meanwhile
+            torch.cuda.current_stream().wait_event(event)  # foreach_all_gather_copy_out
+            model(x).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+        with robust_metrics.watch(model, optimizer, backend="null", run="gpu-check") as handle:
+            for _ in range(3):
+                step()
+            torch.cuda.synchronize()
+            step()  # reads the steps before
+            duration, compute = handle._step_duration, handle._step_compute
+            count0, blocked0 = duration.count, duration.sum - compute.sum
+            for _ in range(10):
+                step()
+            torch.cuda.synchronize()
+            step()
+            count = duration.count - count0
+            blocked = (duration.sum - compute.sum - blocked0) / count if count else 0.0
+        return judge_streams(blocked, late, overlap)
+    finally:
+        dist.destroy_process_group()
+
+
+def _straggler_job(check: str, args: list[str]) -> Verdict:
+    """Two NCCL ranks of the parallel job, rank 1 slowed 1.3x in forward; its metrics read back
+    with prometheus_client's MultiProcessCollector."""
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        return Verdict(check, "SKIP", f"needs 2 GPUs (one NCCL rank each), found "
+                                      f"{torch.cuda.device_count()}")
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    from robust_metrics import workloads
+    from robust_metrics.processes import RankJob
+
+    steps = 20
+    script = os.path.join(os.path.dirname(workloads.__file__), "parallel_job.py")
+    with tempfile.TemporaryDirectory() as tmp:
+        metrics, logs = os.path.join(tmp, "metrics"), os.path.join(tmp, "logs")
+        os.makedirs(metrics)
+        os.makedirs(logs)
+        with RankJob(2, [*args, "--device", "cuda", "--steps", str(steps), "--compute", "0.1",
+                         "--slow-rank", "1", "--slow-factor", "1.3"], script=Path(script),
+                     log_dir=Path(logs), run="gpu-check",
+                     env={"ROBUST_METRICS_DIR": metrics, "TORCH_NCCL_ENABLE_TIMING": "1"}) as job:
+            codes = job.wait(timeout=LIMITS[check] - 10)
+            if codes != [0, 0]:
+                tail = job.logs().strip().splitlines()[-1:] or ["no output"]
+                return Verdict(check, "FAIL", f"exit codes {codes}: {tail[0]}")
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry, path=metrics)
+        values: dict[tuple[str, str], float] = {}
+        for family in registry.collect():
+            for sample in family.samples:
+                key = (sample.name, sample.labels.get("rank", ""))
+                values[key] = values.get(key, 0.0) + sample.value
+    computes = [values.get(("robust_step_compute_seconds_sum", str(r)), 0.0)
+                / max(values.get(("robust_step_compute_seconds_count", str(r)), 0.0), 1.0)
+                for r in range(2)]
+    errors = sum(values.get(("robust_hook_errors_total", str(r)), 0.0) for r in range(2))
+    counted = [values.get(("robust_steps_total", str(r)), 0.0) for r in range(2)]
+    return judge_straggler(check, computes, 1, errors, counted, steps)
+
+
+def check_fsdp2() -> Verdict:
+    return _straggler_job("fsdp2", ["--stack", "fsdp2"])
+
+
+def check_pp() -> Verdict:
+    return _straggler_job("pp", ["--stack", "pp", "--schedule", "gpipe"])
+
+
 RUNNERS: dict[str, Callable[[], Verdict]] = {
-    "nvml": check_nvml, "events": check_events, "nccl": check_nccl, "nosync": check_nosync}
+    "nvml": check_nvml, "events": check_events, "nccl": check_nccl, "nosync": check_nosync,
+    "streams": check_streams, "fsdp2": check_fsdp2, "pp": check_pp}
 
 
 def run_one(name: str) -> Verdict:
     """One check in a child process, so a hang or a crash costs that check only."""
     try:
         done = subprocess.run([sys.executable, __file__, "--one", name], capture_output=True,
-                              text=True, timeout=LIMIT_SECONDS)
+                              text=True, timeout=LIMITS[name])
     except subprocess.TimeoutExpired:
-        return Verdict(name, "FAIL", f"no answer within {LIMIT_SECONDS} s")
+        return Verdict(name, "FAIL", f"no answer within {LIMITS[name]} s")
     for line in reversed(done.stdout.splitlines()):
         if line.startswith("{"):
             return Verdict(**json.loads(line))

@@ -12,7 +12,16 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import gpu_check  # noqa: E402
-from gpu_check import Verdict, compare_nvml, exit_code, judge_events, parse_smi, table  # noqa: E402
+from gpu_check import (  # noqa: E402
+    Verdict,
+    compare_nvml,
+    exit_code,
+    judge_events,
+    judge_straggler,
+    judge_streams,
+    parse_smi,
+    table,
+)
 
 SMI = """0, 81234, 41, 312.50
 1, 0, 38, [N/A]
@@ -42,6 +51,29 @@ def test_event_timing_must_include_the_slow_kernel() -> None:
     assert judge_events(0.0004, slow=0.010, base=0.0004, wall_step=0.0104).verdict == "FAIL"
 
 
+def test_blocked_must_be_the_compute_streams_wait_for_the_side_stream() -> None:
+    """15 ms: the side stream held 20 ms, 5 of them overlapped by compute on the step's stream."""
+    assert judge_streams(0.0148, late=0.020, overlap=0.005).verdict == "PASS"
+    # marks on the side stream alone: the all-gather after the hold takes no time
+    assert judge_streams(0.0001, late=0.020, overlap=0.005).verdict == "FAIL"
+    assert judge_streams(0.0200, late=0.020, overlap=0.005).verdict == "FAIL"  # overlap counted
+
+
+def test_a_straggler_job_passes_only_when_the_slowed_rank_alone_stands_out() -> None:
+    named = judge_straggler("fsdp2", [0.100, 0.131], 1, 0, [20, 20], 20)
+    assert named.verdict == "PASS" and "1.31" in named.detail
+    assert judge_straggler("pp", [0.100, 0.112], 1, 0, [20, 20], 20).verdict == "FAIL"
+    assert judge_straggler("pp", [0.131, 0.100], 1, 0, [20, 20], 20).verdict == "FAIL"
+    assert judge_straggler("pp", [0.100, 0.131], 1, 3, [20, 20], 20).verdict == "FAIL"  # errors
+    assert judge_straggler("pp", [0.100, 0.131], 1, 0, [20, 17], 20).verdict == "FAIL"
+    assert judge_straggler("pp", [0.0, 0.0], 1, 0, [20, 20], 20).verdict == "FAIL"
+
+
+def test_every_check_has_a_limit_and_all_fit_in_5_minutes() -> None:
+    assert set(gpu_check.LIMITS) == set(gpu_check.CHECKS)
+    assert sum(gpu_check.LIMITS.values()) < 300
+
+
 def test_verdicts_make_a_table_and_an_exit_status() -> None:
     passed, failed = Verdict("a", "PASS", "x"), Verdict("b", "FAIL", "y")
     assert table([passed, failed]).splitlines()[2:] == ["| a | PASS | x |", "| b | FAIL | y |"]
@@ -65,7 +97,7 @@ def test_without_a_gpu_the_script_says_so_and_exits_2() -> None:
                           timeout=120)
     assert done.returncode == 2
     assert "no GPU" in done.stderr and "Traceback" not in done.stderr + done.stdout
-    assert done.stdout.count("| SKIP |") == 4
+    assert done.stdout.count("| SKIP |") == len(gpu_check.CHECKS)
 
 
 @pytest.mark.gpu
@@ -75,4 +107,6 @@ def test_every_check_passes_on_a_gpu(check: str) -> None:
     if missing:
         pytest.skip(missing)
     verdict = gpu_check.run_one(check)
+    if verdict.verdict == "SKIP":  # fsdp2 and pp with fewer than 2 GPUs
+        pytest.skip(verdict.detail)
     assert verdict.verdict == "PASS", verdict.detail
