@@ -58,6 +58,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--stop-step", type=int, default=20)
     a("--tp", type=int, default=2, help="tensor-parallel degree of fsdp2_tp")
     a("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: NCCL, a GPU per LOCAL_RANK")
+    a("--trace-dir", default="", help="record what-if op traces here (robust-metrics whatif)")
+    a("--trace-every", type=int, default=5)
+    a("--trace-steps", type=int, default=1)
     return p.parse_args(argv)
 
 
@@ -334,7 +337,9 @@ def main(argv: list[str] | None = None) -> None:
     if job.device.type == "cuda":  # lazy inits and NCCL communicators before the watch
         job.step(-1, optimizer, generator)
         torch.cuda.synchronize()
-    handle = robust_metrics.watch(job.watched, optimizer)
+    tracing = {"trace_dir": args.trace_dir, "trace_every": args.trace_every,
+               "trace_steps": args.trace_steps} if args.trace_dir else {}
+    handle = robust_metrics.watch(job.watched, optimizer, **tracing)
     if job.rank == args.slow_rank:
         job.slow_down()
     started = time.time()
