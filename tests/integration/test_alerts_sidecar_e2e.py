@@ -163,6 +163,34 @@ def test_a_rank_stopped_inside_a_collective_is_named_alone(stack: dict[str, Any]
             os.kill(job.pids[stopped], signal.SIGCONT)
 
 
+@pytest.mark.parametrize("stall", [3.0, 6.0], ids=["1.5x-threshold", "3x-threshold"])
+def test_a_stall_that_ends_by_itself_restarts_nothing(stack: dict[str, Any], stall: float) -> None:
+    """A rank stopped for 1.5x and 3x the hang threshold (2 s at this scale), then continued:
+    while it is stopped RankHang may name it, and only it; once the job steps again no RankHang
+    fires, for it or for a healthy rank whose count is a collective behind a peer's (the normal
+    skew of a running job), even while the hang record RankHang's group reads is one
+    evaluation old."""
+    prom, run, stopped = stack["prom"], f"stall-{stall:g}", 2
+    with start_job(stack, run, []) as job:
+        wait_steps(prom, run, job)
+        os.kill(job.pids[stopped], signal.SIGSTOP)
+        deadline = time.monotonic() + stall
+        try:
+            while time.monotonic() < deadline:
+                assert names(prom, run, "RankHang") <= {str(stopped)}, alerts(prom, run)
+                time.sleep(0.25)
+        finally:
+            os.kill(job.pids[stopped], signal.SIGCONT)
+        steps = prom.query(f'max(robust_global_step{{run="{run}"}})')
+        wait_steps(prom, run, job, steps=int(float(steps[0]["value"][1])) + 5, timeout=30)
+        resumed = time.monotonic()
+        while time.monotonic() < resumed + 6:  # six evaluations after the job stepped again
+            firing = [a for a in alerts(prom, run, "firing")
+                      if a["labels"]["alertname"] in ("RankHang", "RankExited")]
+            assert not firing, f"{run}: {firing}\n{job.logs()}"
+            time.sleep(0.25)
+
+
 @pytest.mark.parametrize("where", ["backward"])
 def test_a_1_3x_straggler_is_named_by_its_compute_time(stack: dict[str, Any], where: str) -> None:
     """Under DDP a rank slow in backward delays its peers' bucket all-reduces: their blocked time
