@@ -82,6 +82,9 @@ _COLLECTIVE_FUNCTIONS = frozenset({
 })
 
 
+_HOOK_FILES = re.compile(r"robust_metrics[/\\]hooks[/\\]")
+
+
 def normalise_file(path: str) -> str:
     """A file name that is the same on every node: below site-packages, the stdlib, or the base."""
     if not path:
@@ -110,15 +113,19 @@ class _FrameCache:
         self._signatures: dict[tuple[str, ...], tuple[str, ...]] = {}
 
     def signature(self, frames: Iterable[Mapping[str, Any]]) -> tuple[str, ...]:
-        """The normalised frames of a thread, one shared tuple per distinct signature."""
+        """The normalised frames of a thread, one shared tuple per distinct signature. The
+        hook's own wrappers (around collectives and `Work.wait`) are left out: every rank runs
+        them, and a rank waits in the torch function they wrap."""
         cache = self._cache
         out = []
         for f in frames:
             key = (f.get("function"), f.get("file"))
             found = cache.get(key)
             if found is None:
-                found = cache[key] = normalise_frame(str(key[0] or "?"), str(key[1] or ""))
-            out.append(found)
+                found = cache[key] = ("" if _HOOK_FILES.search(str(key[1] or "")) else
+                                      normalise_frame(str(key[0] or "?"), str(key[1] or "")))
+            if found:
+                out.append(found)
         sig = tuple(out)
         return self._signatures.setdefault(sig, sig)
 
