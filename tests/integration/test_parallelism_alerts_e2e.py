@@ -26,8 +26,9 @@ import pytest
 
 from robust_metrics import workloads
 from tests.integration.test_alerts_e2e import alerts, wait_firing, write_test_rules
+from tests.integration.test_alerts_sidecar_e2e import names, wait_steps
 from tests.prometheus_fixture import PrometheusServer
-from tests.support import RankJob, SidecarProcess, require_binary, wait_until
+from tests.support import RankJob, SidecarProcess, require_binary
 
 pytestmark = pytest.mark.integration
 WORLD = 4
@@ -41,7 +42,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     folder = tmp_path_factory.mktemp("parallel-e2e")
     metrics = folder / "metrics"
     metrics.mkdir()
-    with SidecarProcess(metrics, ["--node", "node-p"], log_path=folder / "sidecar.log") as sidecar:
+    with SidecarProcess(metrics, ["--node", "node-a"], log_path=folder / "sidecar.log") as sidecar:
         server = PrometheusServer(folder / "prometheus", [sidecar.url.removeprefix("http://")],
                                   rule_files=[write_test_rules(folder)])
         server.start()
@@ -56,22 +57,7 @@ def start_job(stack: dict[str, Any], run: str, args: list[str]) -> RankJob:
     logs.mkdir(exist_ok=True)
     return RankJob(WORLD, ["--duration", "120", *args], script=JOB, log_dir=logs, run=run,
                    env={"ROBUST_METRICS_DIR": str(stack["metrics"]),
-                        "ROBUST_METRICS_NODE": "node-p"})
-
-
-def wait_steps(prom: PrometheusServer, run: str, job: RankJob, steps: int) -> None:
-    def stepping() -> bool:
-        result = prom.query(f'count(robust_steps_total{{run="{run}"}} >= {steps})')
-        return bool(result) and float(result[0]["value"][1]) == WORLD
-    try:
-        wait_until(stepping, timeout=90, interval=0.5, message=f"{run}: {WORLD} ranks stepping")
-    except AssertionError as exc:
-        raise AssertionError(f"{exc}\n{job.logs()}") from None
-
-
-def named(prom: PrometheusServer, run: str, alertname: str) -> set[str]:
-    return {a["labels"].get("rank", "") for a in alerts(prom, run)
-            if a["labels"]["alertname"] == alertname}
+                        "ROBUST_METRICS_NODE": "node-a"})
 
 
 @pytest.mark.parametrize("kind", list(STACKS))
@@ -79,15 +65,15 @@ def test_slow_rank_names_the_straggler(stack: dict[str, Any], kind: str) -> None
     prom, run, slow = stack["prom"], f"slow-{kind}", 2
     args = [*STACKS[kind], "--compute", "0.3", "--slow-rank", str(slow), "--slow-factor", "1.3"]
     with start_job(stack, run, args) as job:
-        wait_steps(prom, run, job, 3)
+        wait_steps(prom, run, job, steps=3)
         t0 = time.monotonic()
         fired = wait_firing(prom, run, "SlowRank", 60, job)
         print(f"\n{kind}: SlowRank {time.monotonic() - t0:.1f}s after 3 steps")
         assert fired["labels"]["rank"] == str(slow), fired
-        assert fired["labels"]["node"] == "node-p"
+        assert fired["labels"]["node"] == "node-a"
         time.sleep(2)
-        assert named(prom, run, "SlowRank") == {str(slow)}, alerts(prom, run)
-        assert named(prom, run, "RankHang") == set(), alerts(prom, run)
+        assert names(prom, run, "SlowRank") == {str(slow)}, alerts(prom, run)
+        assert names(prom, run, "RankHang") == set(), alerts(prom, run)
         job.kill()
 
 
@@ -97,14 +83,14 @@ def test_rank_hang_names_the_stopped_rank_alone(stack: dict[str, Any], kind: str
     args = [*STACKS[kind], "--compute", "0.05", "--stop-rank", str(stopped), "--stop-step", "40"]
     with start_job(stack, run, args) as job:
         try:
-            wait_steps(prom, run, job, 5)
+            wait_steps(prom, run, job, steps=5)
             rank_hang = wait_firing(prom, run, "RankHang", 60, job)
             wait_firing(prom, run, "TrainingHang", 10, job)
             status = Path(f"/proc/{job.pids[stopped]}/stat").read_text().rsplit(")", 1)[1].split()
             assert status[0] == "T", f"the rank was not stopped: state {status[0]}"
             assert rank_hang["labels"]["rank"] == str(stopped), rank_hang
             time.sleep(3)
-            assert named(prom, run, "RankHang") == {str(stopped)}, alerts(prom, run)
+            assert names(prom, run, "RankHang") == {str(stopped)}, alerts(prom, run)
         finally:
             os.kill(job.pids[stopped], signal.SIGCONT)
             job.kill()

@@ -25,13 +25,14 @@ JOB = Path(workloads.__file__).resolve().parent / "parallel_job.py"
 STEPS = 16
 
 
-def run_job(tmp_path: Path, world: int, *args: str) -> dict[str, list[tuple[str, dict, float]]]:
+def run_job(tmp_path: Path, world: int, *args: str, steps: int = STEPS,
+            env: dict[str, str] | None = None) -> dict[str, list[tuple[str, dict, float]]]:
     """Run the job; its samples by rank: (name, labels without run and rank, value)."""
     folder, logs = tmp_path / "metrics", tmp_path / "logs"
     folder.mkdir()
     logs.mkdir()
-    with RankJob(world, ["--steps", str(STEPS), *args], script=JOB, log_dir=logs,
-                 env={"ROBUST_METRICS_DIR": str(folder)}, run="parallel") as job:
+    with RankJob(world, ["--steps", str(steps), *args], script=JOB, log_dir=logs,
+                 env={"ROBUST_METRICS_DIR": str(folder), **(env or {})}, run="parallel") as job:
         codes = job.wait(timeout=240)
         assert codes == [0] * world, job.logs()
     registry = CollectorRegistry()

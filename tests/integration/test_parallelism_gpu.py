@@ -14,12 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from robust_metrics import workloads
-from robust_metrics.processes import RankJob
-from tests.integration.test_parallelism_gloo import assert_named, series, value
+from tests.integration.test_parallelism_gloo import assert_named, run_job, series, value
 
 pytestmark = [pytest.mark.gpu, pytest.mark.integration]
-JOB = Path(workloads.__file__).resolve().parent / "parallel_job.py"
 STEPS = 20
 WORLD = 2
 
@@ -38,28 +35,6 @@ def two_gpus_with_nccl() -> str:
     return ""
 
 
-def run_gpu_job(tmp_path: Path, *args: str) -> dict[str, list[tuple[str, dict, float]]]:
-    from prometheus_client import CollectorRegistry
-    from prometheus_client.multiprocess import MultiProcessCollector
-
-    folder, logs = tmp_path / "metrics", tmp_path / "logs"
-    folder.mkdir()
-    logs.mkdir()
-    with RankJob(WORLD, ["--device", "cuda", "--steps", str(STEPS), *args], script=JOB,
-                 log_dir=logs, run="parallel-gpu",
-                 env={"ROBUST_METRICS_DIR": str(folder), "TORCH_NCCL_ENABLE_TIMING": "1"}) as job:
-        codes = job.wait(timeout=240)
-        assert codes == [0] * WORLD, job.logs()
-    registry = CollectorRegistry()
-    MultiProcessCollector(registry, path=str(folder))
-    samples: dict[str, list[tuple[str, dict, float]]] = {}
-    for family in registry.collect():
-        for s in family.samples:
-            labels = {k: v for k, v in s.labels.items() if k not in ("run", "rank")}
-            samples.setdefault(s.labels.get("rank", ""), []).append((s.name, labels, s.value))
-    return samples
-
-
 CASES = {
     "fsdp2-forward": ["--stack", "fsdp2", "--slow-where", "forward"],
     "fsdp2-no-reshard-backward": ["--stack", "fsdp2", "--reshard-after-forward", "false",
@@ -76,8 +51,9 @@ def test_a_slow_rank_is_named_on_gpus_with_nccl(tmp_path: Path, case: str) -> No
     missing = two_gpus_with_nccl()
     if missing:
         pytest.skip(missing)
-    samples = run_gpu_job(tmp_path, *CASES[case], "--slow-rank", "1", "--slow-factor", "1.3",
-                          "--compute", "0.1")
+    samples = run_job(tmp_path, WORLD, "--device", "cuda", *CASES[case], "--slow-rank", "1",
+                      "--slow-factor", "1.3", "--compute", "0.1", steps=STEPS,
+                      env={"TORCH_NCCL_ENABLE_TIMING": "1"})
     for rank in range(WORLD):
         assert value(samples, rank, "robust_steps_total") == STEPS
         assert series(samples, rank, "robust_hook_errors_total") == []
