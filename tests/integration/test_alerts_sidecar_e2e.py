@@ -18,36 +18,19 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from robust_metrics.workloads import FAULT_JOB
-from tests.integration.test_alerts_e2e import alerts, wait_firing, write_test_rules
+from tests.integration.test_alerts_e2e import alerts, wait_firing
 from tests.prometheus_fixture import PrometheusServer
-from tests.support import RankJob, SidecarProcess, require_binary, wait_until
+from tests.support import RankJob, wait_until
 
 pytestmark = pytest.mark.integration
 WORLD = 4
 JOB = FAULT_JOB
-
-
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    require_binary("prometheus")
-    folder = tmp_path_factory.mktemp("sidecar-e2e")
-    metrics = folder / "metrics"
-    metrics.mkdir()
-    with SidecarProcess(metrics, ["--node", "node-a"], log_path=folder / "sidecar.log") as sidecar:
-        server = PrometheusServer(folder / "prometheus", [sidecar.url.removeprefix("http://")],
-                                  rule_files=[write_test_rules(folder)])
-        server.start()
-        try:
-            yield {"prom": server, "folder": folder, "metrics": metrics, "sidecar": sidecar}
-        finally:
-            server.stop()
 
 
 def start_job(stack: dict[str, Any], run: str, args: list[str]) -> RankJob:

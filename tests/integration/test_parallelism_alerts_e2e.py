@@ -18,38 +18,20 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from robust_metrics import workloads
-from tests.integration.test_alerts_e2e import alerts, wait_firing, write_test_rules
+from tests.integration.test_alerts_e2e import alerts, wait_firing
 from tests.integration.test_alerts_sidecar_e2e import names, wait_steps
-from tests.prometheus_fixture import PrometheusServer
-from tests.support import RankJob, SidecarProcess, require_binary
+from tests.support import RankJob
 
 pytestmark = pytest.mark.integration
 WORLD = 4
 JOB = Path(workloads.__file__).resolve().parent / "parallel_job.py"
 STACKS = {"fsdp2": ["--stack", "fsdp2"], "pipeline": ["--stack", "pp", "--schedule", "gpipe"]}
-
-
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    require_binary("prometheus")
-    folder = tmp_path_factory.mktemp("parallel-e2e")
-    metrics = folder / "metrics"
-    metrics.mkdir()
-    with SidecarProcess(metrics, ["--node", "node-a"], log_path=folder / "sidecar.log") as sidecar:
-        server = PrometheusServer(folder / "prometheus", [sidecar.url.removeprefix("http://")],
-                                  rule_files=[write_test_rules(folder)])
-        server.start()
-        try:
-            yield {"prom": server, "folder": folder, "metrics": metrics}
-        finally:
-            server.stop()
 
 
 def start_job(stack: dict[str, Any], run: str, args: list[str]) -> RankJob:
