@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from robust_metrics.hooks.collectives import _argument, _payload_bytes, _positions, compiling
@@ -84,11 +85,11 @@ def _wrap_issue(tracker: CollectiveTracker, op: str,
         try:
             keys = [_storage_key(t) for t in (result if isinstance(result, list | tuple)
                                               else [result])]
-            if any(k is None for k in keys) or not keys:
+            if not keys or None in keys:
                 tracker.finish(launch)  # waited inside the call (tracing): blocked throughout
             else:
                 for key in keys[:-1]:  # coalesced: the last result's wait completes the launch
-                    tracker.pending.add(key, _untracked(launch))
+                    tracker.pending.add(key, replace(launch, done=True))
                 tracker.pending.add(keys[-1], launch)
         except Exception as exc:
             tracker._on_error("collectives", exc)
@@ -118,13 +119,6 @@ def _waited(tracker: CollectiveTracker, tensor: Any, begin: Any) -> None:
     if key is None and hasattr(tensor, "data_ptr"):
         key = int(tensor.data_ptr())  # wait_tensor is given the result's plain tensor
     tracker.waited(key if key is not None else -1, begin)
-
-
-def _untracked(launch: Any) -> Any:
-    """A stand-in for the earlier results of a coalesced call: already counted as done."""
-    from dataclasses import replace
-
-    return replace(launch, done=True)
 
 
 def _storage_key(tensor: Any) -> int | None:
