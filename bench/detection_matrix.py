@@ -31,6 +31,7 @@ import json
 import os
 import random
 import re
+import secrets
 import shutil
 import signal
 import subprocess
@@ -45,8 +46,19 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import httpx  # noqa: E402
+import yaml  # noqa: E402
+
 from robust_metrics import rules  # noqa: E402
-from robust_metrics.processes import Prometheus, RankJob, sidecar, wait_for  # noqa: E402
+from robust_metrics.bridge.schedulers.local import LocalScheduler  # noqa: E402
+from robust_metrics.processes import (  # noqa: E402
+    Prometheus,
+    RankJob,
+    free_port,
+    sidecar,
+    wait_for,
+)
+from robust_metrics.processes import bridge as bridge_service  # noqa: E402
 from robust_metrics.workloads import FAULT_JOB  # noqa: E402
 
 WORLD = 4
@@ -69,6 +81,7 @@ class Fault:
     formula: str = ""
     timeout: float = 60.0
     steps_first: int = 20  # steps every rank makes before the fault (0: the fault comes first)
+    stall_factor: float = 0.0  # sigstop: SIGCONT after this many hang thresholds (0: never)
 
 
 HANG = frozenset({"TrainingHang"})
@@ -95,6 +108,19 @@ def faults(healthy_seconds: float) -> list[Fault]:
               HANG, formula="30 s + 2 scrapes + ≤ 15 s + ≤ 15 s"),
         Fault("sigstop-random", [], "RankHang", 2, HANG, inject="sigstop",
               formula="30 s + 2 scrapes + ≤ 15 s + ≤ 15 s"),
+        # Transitions: a fault that ends, and stops that are no crash. After the end (or the
+        # stop) nothing may start firing, least of all an alert with an action.
+        Fault("stall-ends-1.5x", [], None, 2, HANG | {"RankHang(rank 2)"}, inject="sigstop",
+              formula="nothing after it ends", stall_factor=1.5),
+        Fault("stall-ends-3x", [], "RankHang", 2, HANG, inject="sigstop",
+              formula="30 s + 2 scrapes + ≤ 15 s + ≤ 15 s; nothing after it ends",
+              stall_factor=3.0),
+        Fault("late-start-trains", ["--first-step-delay-rank", "1", "--first-step-delay", "20"],
+              "RankHang", 1, HANG, inject="late", steps_first=0,
+              formula="30 s + ≤ 15 s + ≤ 15 s + ≤ 15 s; nothing after it steps"),
+        Fault("scheduler-cancel", [], None, inject="cancel", formula="nothing"),
+        Fault("scheduler-requeue", [], None, inject="requeue", formula="nothing"),
+        Fault("bridge-restart", [], None, inject="bridge", formula="nothing"),
         *[Fault(f"slow-{factor}x-{where}", ["--slow-rank", "1", "--slow-factor", factor,
                                              "--slow-where", where, "--slow-step", step,
                                              "--compute", "0.1"],
@@ -128,11 +154,17 @@ class Trial:
     true_alerts: list[str] = field(default_factory=list)
     false_alerts: list[str] = field(default_factory=list)
     note: str = ""
+    ended_at: float | None = None  # when a transition's fault ended or its stop was issued
+
+
+AFTER_END_S = 2.5  # one scrape, one evaluation and a poll: an alert first seen later is false
 
 
 class Bench:
-    def __init__(self, folder: Path, prom: Prometheus, metrics: Path, sysfs: Path) -> None:
+    def __init__(self, folder: Path, prom: Prometheus, metrics: Path, sysfs: Path,
+                 bridge: MatrixBridge | None = None) -> None:
         self.folder, self.prom, self.metrics, self.sysfs = folder, prom, metrics, sysfs
+        self.bridge = bridge
 
     # -- observing -------------------------------------------------------------------------
     def firing(self, run: str) -> list[dict[str, Any]]:
@@ -141,14 +173,18 @@ class Bench:
                 and (a["labels"].get("run") == run
                      or ("run" not in a["labels"] and a["labels"].get("node") == NODE))]
 
-    def wait_stepping(self, run: str, job: RankJob, steps: int = 20) -> None:
+    def wait_stepping(self, run: str, job: RankJob | None, steps: int = 20,
+                      fresh: float = 0.0) -> None:
+        """Until every rank of the run made `steps` steps (with `fresh`: a step after then)."""
+        query = (f'count(robust_steps_total{{run="{run}"}} > {steps})' if not fresh else
+                 f'count(robust_last_step_timestamp_seconds{{run="{run}"}} > {fresh})')
         def stepping() -> bool:
-            result = self.prom.query(f'count(robust_steps_total{{run="{run}"}} > {steps})')
+            result = self.prom.query(query)
             return bool(result) and float(result[0]["value"][1]) == WORLD
         try:
             wait_for(stepping, timeout=120, interval=0.5, message=f"{run} stepping")
         except TimeoutError as exc:
-            raise RuntimeError(f"{exc}\n{job.logs()}") from None
+            raise RuntimeError(f"{exc}\n{job.logs() if job else ''}") from None
 
     @staticmethod
     def fault_time(job: RankJob, timeout: float) -> float:
@@ -161,6 +197,19 @@ class Bench:
             return None
         return wait_for(found, timeout=timeout, interval=0.1, message="the job's FAULT line")
 
+    def hang_threshold(self, run: str) -> float:
+        result = self.prom.query(f'run:robust_step_duration_seconds:hang_threshold{{run="{run}"}}')
+        return float(result[0]["value"][1]) if result else 2.0
+
+    def watch(self, run: str, seen: dict[str, dict[str, Any]], until: float) -> None:
+        """Poll the run's firing alerts until `until`, keeping when each was first seen."""
+        while time.time() < until:
+            now = time.time()
+            for alert in self.firing(run):
+                seen.setdefault(json.dumps(alert["labels"], sort_keys=True),
+                                {**alert, "first_seen": now})
+            time.sleep(0.25)
+
     # -- a trial ---------------------------------------------------------------------------
     def run_trial(self, fault: Fault, trial: int) -> Trial:
         run = f"{fault.name}-{trial}"
@@ -168,13 +217,24 @@ class Bench:
         logs.mkdir()
         result = Trial(fault.name, trial)
         seen: dict[str, dict[str, Any]] = {}
+        if fault.inject in ("cancel", "requeue", "bridge"):
+            try:
+                self._stop_trial(fault, run, logs, result, seen)
+            except Exception as exc:
+                result.note = f"error: {exc}"[:300]
+            self._classify(fault, seen, result)
+            return result
         job = RankJob(WORLD, fault.args, script=JOB, log_dir=logs, run=run,
                       env={"ROBUST_METRICS_DIR": str(self.metrics), "ROBUST_METRICS_NODE": NODE})
         cleanup: list[Callable[[], None]] = []
         try:
             if fault.steps_first:
                 self.wait_stepping(run, job, fault.steps_first)
-            if fault.expected is None:
+            if fault.stall_factor:
+                self._stall_that_ends(run, job, fault, result, seen)
+            elif fault.inject == "late":
+                self._late_start(run, job, fault, result, seen)
+            elif fault.expected is None:
                 self._watch_negative(run, job, fault, seen)
             else:
                 t0 = self._inject(fault, job, cleanup)
@@ -208,6 +268,85 @@ class Bench:
         elif fault.inject == "contention":
             cleanup.extend(self._contend(job, fault.rank))  # type: ignore[arg-type]
         return time.time()
+
+    def _stall_that_ends(self, run: str, job: RankJob, fault: Fault, result: Trial,
+                         seen: dict[str, dict[str, Any]]) -> None:
+        """SIGSTOP a rank at a random moment, SIGCONT it after `stall_factor` hang thresholds,
+        then keep watching while the run trains on."""
+        stall = fault.stall_factor * self.hang_threshold(run)
+        time.sleep(random.uniform(0.5, 2.0))
+        pid = job.pids[fault.rank]  # type: ignore[index]
+        os.kill(pid, signal.SIGSTOP)
+        t0 = time.time()
+        try:
+            self.watch(run, seen, t0 + stall)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        result.ended_at = time.time()
+        self._detected(fault, seen, t0, result, before=result.ended_at + AFTER_END_S)
+        self.watch(run, seen, result.ended_at + 15)
+
+    def _late_start(self, run: str, job: RankJob, fault: Fault, result: Trial,
+                    seen: dict[str, dict[str, Any]]) -> None:
+        """A rank whose first step comes late: named while it is late, then the run trains."""
+        t0 = time.time()
+        def all_step() -> bool:
+            self.watch(run, seen, time.time() + 0.5)
+            got = self.prom.query(f'count(robust_steps_total{{run="{run}"}} > 0)')
+            return bool(got) and float(got[0]["value"][1]) == WORLD
+        wait_for(all_step, timeout=fault.timeout + 60, interval=0.1, message="late rank steps")
+        result.ended_at = time.time()
+        self._detected(fault, seen, t0, result, before=result.ended_at + AFTER_END_S)
+        self.watch(run, seen, result.ended_at + 15)
+
+    @staticmethod
+    def _detected(fault: Fault, seen: dict[str, dict[str, Any]], t0: float, result: Trial,
+                  before: float) -> None:
+        hits = [a["first_seen"] for a in seen.values()
+                if a["labels"]["alertname"] == fault.expected
+                and a["labels"].get("rank") == str(fault.rank) and a["first_seen"] <= before]
+        if hits:
+            result.detected, result.latency_s = True, round(min(hits) - t0, 2)
+
+    def _stop_trial(self, fault: Fault, run: str, logs: Path, result: Trial,
+                    seen: dict[str, dict[str, Any]]) -> None:
+        """Stops that are no crash: the scheduler cancels the job (SIGTERM to every rank at
+        once, reaped at once), requeues it (the same, then the run starts again), or the bridge
+        restarts it. The first two go through plain ranks, the last through torchrun under the
+        bridge's `local` scheduler."""
+        if fault.inject == "bridge":
+            assert self.bridge is not None, "the bridge trial needs the matrix's bridge"
+            self.bridge.start_job(run)
+            try:
+                self.wait_stepping(run, None)
+                result.ended_at = time.time()
+                self.bridge.restart(run)
+                self.watch(run, seen, time.time() + 8)
+                self.wait_stepping(run, None, steps=1, fresh=result.ended_at)
+                self.watch(run, seen, time.time() + 10)
+            finally:
+                self.bridge.cancel(run)
+            return
+        env = {"ROBUST_METRICS_DIR": str(self.metrics), "ROBUST_METRICS_NODE": NODE}
+        job = RankJob(WORLD, [], script=JOB, log_dir=logs, run=run, env=env)
+        again: RankJob | None = None
+        try:
+            self.wait_stepping(run, job)
+            result.ended_at = time.time()
+            for proc in job.procs:
+                proc.terminate()
+            for proc in job.procs:
+                proc.wait(timeout=30)
+            self.watch(run, seen, time.time() + 5)
+            if fault.inject == "requeue":
+                again = RankJob(WORLD, [], script=JOB, log_dir=logs / "requeued", run=run,
+                                env=env)
+                self.wait_stepping(run, again, steps=1, fresh=result.ended_at)
+            self.watch(run, seen, time.time() + 10)
+        finally:
+            job.kill()
+            if again is not None:
+                again.kill()
 
     def _flap_nic(self) -> None:
         """Two flaps of eth1 in the sysfs copy: carrier down and up twice (4 changes)."""
@@ -243,7 +382,7 @@ class Bench:
             now = time.time()
             for alert in self.firing(run):
                 key = json.dumps(alert["labels"], sort_keys=True)
-                seen.setdefault(key, alert)
+                seen.setdefault(key, {**alert, "first_seen": now})
                 if (not result.detected and alert["labels"]["alertname"] == fault.expected
                         and (fault.rank is None
                              or alert["labels"].get("rank") == str(fault.rank))):
@@ -256,11 +395,9 @@ class Bench:
         deadline = time.time() + fault.timeout
         ended = None
         while time.time() < deadline and (ended is None or time.time() < ended + 5):
-            for alert in self.firing(run):
-                seen.setdefault(json.dumps(alert["labels"], sort_keys=True), alert)
+            self.watch(run, seen, time.time() + 0.25)
             if ended is None and all(p.poll() is not None for p in job.procs):
                 ended = time.time()
-            time.sleep(0.25)
         if ended is None:
             raise RuntimeError("the job did not end in time")
 
@@ -272,12 +409,82 @@ class Bench:
             tag = name + (f"(rank {labels['rank']})" if "rank" in labels else "")
             right = name == fault.expected and (fault.rank is None
                                                 or labels.get("rank") == str(fault.rank))
-            if right or name in fault.companions or tag in fault.companions:
+            late = (result.ended_at is not None
+                    and alert.get("first_seen", 0.0) > result.ended_at + AFTER_END_S)
+            if late:
+                result.false_alerts.append(f"{tag} after the end")
+            elif right or name in fault.companions or tag in fault.companions:
                 result.true_alerts.append(tag)
             else:
                 result.false_alerts.append(tag)
         if fault.expected is not None and fault.rank is not None:
             result.right_rank = result.detected
+
+
+class MatrixBridge:
+    """A real bridge whose `local` scheduler runs the fault job under torchrun, and restarts it
+    when told to by an authenticated webhook (an Alertmanager payload of one alert)."""
+
+    ALERT = "MatrixRestart"
+
+    def __init__(self, folder: Path, metrics: Path, prometheus_url: str, port: int) -> None:
+        self.folder, self.port = folder, port
+        self.token = secrets.token_urlsafe(24)
+        token_file = folder / "bridge-token"
+        token_file.write_text(self.token)
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                    f"--nproc-per-node={WORLD}", str(JOB)]
+        self.local = {"command": launcher, "cwd": str(folder),
+                      "env": {"ROBUST_METRICS_DIR": str(metrics), "ROBUST_METRICS_NODE": NODE,
+                              "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
+                      "state_dir": str(folder / "local-scheduler"),
+                      "log_dir": str(folder / "bridge-logs"), "stop_timeout_s": 10}
+        config = {
+            "listen": {"host": "127.0.0.1", "port": port},
+            "database": str(folder / "bridge.db"),
+            "auth": {"bearer_token_file": str(token_file)},
+            "prometheus": {"url": prometheus_url},
+            "schedulers": {"local": {"type": "local", **self.local}},
+            "default_scheduler": "local",
+            "restart_budget": {"max_restarts": 1000, "window": "1h"},
+            "rules": [{"name": "restart", "match": {"alertname": self.ALERT},
+                       "actions": ["restart"]}],
+        }
+        path = folder / "bridge.yaml"
+        path.write_text(yaml.safe_dump(config, sort_keys=False))
+        self.service = bridge_service(path, port=port, log_path=folder / "bridge.log")
+
+    def scheduler(self) -> LocalScheduler:
+        return LocalScheduler(dict(self.local))
+
+    def start_job(self, run: str) -> None:
+        started = self.scheduler().start(run, reason="detection matrix")
+        if not started.ok:
+            raise RuntimeError(started.detail)
+
+    def cancel(self, run: str) -> None:
+        self.scheduler().cancel(run, "detection matrix trial over")
+
+    def restart(self, run: str) -> None:
+        """Ask the bridge to restart `run`, and wait until its action is recorded done."""
+        alert = {"status": "firing", "fingerprint": run,
+                 "labels": {"alertname": self.ALERT, "run": run, "severity": "critical"},
+                 "annotations": {}, "startsAt": datetime.datetime.now(datetime.UTC).isoformat(),
+                 "endsAt": "0001-01-01T00:00:00Z", "generatorURL": ""}
+        body = {"version": "4", "groupKey": run, "status": "firing", "receiver": "bridge",
+                "groupLabels": {}, "commonLabels": {}, "commonAnnotations": {},
+                "externalURL": "", "truncatedAlerts": 0, "alerts": [alert]}
+        headers = {"Authorization": f"Bearer {self.token}"}
+        base = f"http://127.0.0.1:{self.port}/api/v1"
+        httpx.post(f"{base}/alerts", json=body, headers=headers, timeout=10).raise_for_status()
+
+        def restarted() -> bool:
+            actions = httpx.get(f"{base}/actions", params={"run": run}, headers=headers,
+                                timeout=10).json()
+            actions = actions.get("actions", actions) if isinstance(actions, dict) else actions
+            return any(a.get("action") == "restart" and a.get("status") in ("success", "failed")
+                       for a in actions)
+        wait_for(restarted, timeout=90, interval=0.5, message=f"the bridge's restart of {run}")
 
 
 def summarize(results: list[Trial], chosen: list[Fault]) -> dict[str, Any]:
@@ -355,9 +562,12 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     side = sidecar(metrics, ["--node", NODE, "--path.sysfs", str(sysfs)],
                    log_path=folder / "sidecar.log")
-    with side, Prometheus(folder / "prometheus", [side.url.removeprefix("http://")],
-                          rule_files=[rule_file]) as prom:
-        bench = Bench(folder, prom, metrics, sysfs)
+    prom_port, bridge_port = free_port(), free_port()
+    matrix_bridge = MatrixBridge(folder, metrics, f"http://127.0.0.1:{prom_port}", bridge_port)
+    with side, matrix_bridge.service, Prometheus(
+            folder / "prometheus", [side.url.removeprefix("http://"), f"127.0.0.1:{bridge_port}"],
+            rule_files=[rule_file], port=prom_port) as prom:
+        bench = Bench(folder, prom, metrics, sysfs, matrix_bridge)
         for trial in range(args.trials):
             for fault in chosen:
                 result = bench.run_trial(fault, trial)

@@ -472,6 +472,12 @@ BRIDGE_ACTION_DURATION = _declare(
     labels=("action",), source=BRIDGE, unit="seconds",
     buckets=(0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
 )
+RUN_STOP_TIMESTAMP = _declare(
+    "robust_bridge_run_stop_timestamp_seconds", G,
+    "When the bridge last began stopping the run (a restart), set before it asks the scheduler: "
+    "rank exits from then on were requested, not crashes.",
+    labels=("run",), source=BRIDGE, unit="seconds",
+)
 HANG_SUSPECT = _declare(
     "robust_hang_suspect", G,
     "1 for a rank that stack aggregation names as the outlier of a hung run.",

@@ -7,6 +7,7 @@ import json
 import os
 import re
 import signal
+import struct
 import subprocess
 import sys
 import threading
@@ -22,6 +23,7 @@ from prometheus_client.metrics_core import GaugeMetricFamily
 from robust_metrics import schema
 from robust_metrics.hooks.sinks import MultiprocessSink
 from robust_metrics.hooks.store import MetricStore
+from robust_metrics.sidecar import proc_connector
 from robust_metrics.sidecar.collector import ScrapeRegistry, available
 from robust_metrics.sidecar.collectors.nccl_ras import (
     NcclRasCollector,
@@ -32,6 +34,7 @@ from robust_metrics.sidecar.collectors.nic import NicCollector, parse_rate
 from robust_metrics.sidecar.collectors.nvml import NvmlCollector
 from robust_metrics.sidecar.collectors.process import ProcessCollector
 from robust_metrics.sidecar.collectors.ranks import RanksCollector
+from robust_metrics.sidecar.proc_connector import ProcExits
 from robust_metrics.sidecar.rankdir import RankFolder
 from tests.sidecar_fakes import FakeGpu, FakeNvml, FakeRasServer
 from tests.support import ROOT, free_port, require_binary, wait_until
@@ -480,3 +483,55 @@ def test_process_collector_sees_stop_normal_end_and_exit_time(tmp_path: Path) ->
                 os.kill(proc.pid, signal.SIGCONT)
             proc.kill()
             proc.wait()
+
+
+def _connector_or_skip() -> None:
+    events = ProcExits.open()
+    if events is None:
+        pytest.skip("the process events connector needs CAP_NET_ADMIN in the host's network "
+                    "namespace; this machine refuses it")
+    events.close()
+
+
+@pytest.mark.parametrize("how", ["terminate", "kill"])
+def test_exit_signal_survives_a_parent_that_reaps_at_once(tmp_path: Path, how: str) -> None:
+    """A launcher reaps its workers within a millisecond of their exit, before the zombie can be
+    read: SIGTERM (a restart, a cancel) must still read as a stop on request and SIGKILL as a
+    crash, in every one of several tries."""
+    _connector_or_skip()
+    (tmp_path / "ranks").mkdir()
+    folder = RankFolder(str(tmp_path), cache_seconds=0)
+    collector = ProcessCollector(folder)
+    registry = registry_of(process=collector)
+    try:
+        for rank in range(5):
+            proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+            identity = {"run": "r", "rank": rank, "pid": proc.pid, "started": time.time()}
+            (tmp_path / "ranks" / f"{proc.pid}.json").write_text(json.dumps(identity))
+            wait_until(lambda r=rank: sample(registry, "robust_rank_process_alive", run="r",
+                                             rank=str(r)) == 1, timeout=5, message="alive")
+            getattr(proc, how)()
+            proc.wait()  # the fastest reaper there is: waitpid blocks until the exit
+            wait_until(lambda r=rank: sample(registry, "robust_rank_exit_timestamp_seconds",
+                                             run="r", rank=str(r)) is not None,
+                       timeout=5, message="exit seen")
+            finished = sample(registry, "robust_rank_finished", run="r", rank=str(rank))
+            assert finished == (1 if how == "terminate" else None), (rank, finished)
+    finally:
+        collector.exits.close()
+        folder.close()
+
+
+def test_process_events_are_parsed_per_process_not_per_thread() -> None:
+    """A datagram holds netlink messages of 4-byte aligned length; only a thread-group leader's
+    exit is a process exit, and its wait status carries the signal."""
+    def message(what: int, pid: int, tgid: int, status: int) -> bytes:
+        event = struct.pack("=IIQ", what, 0, 0) + struct.pack("=IIII", pid, tgid, status, 17)
+        body = struct.pack("=IIIIHH", 1, 1, 0, 0, len(event), 0) + event
+        return struct.pack("=IHHII", 16 + len(body), 3, 0, 0, 0) + body
+
+    data = (message(0x80000000, 10, 10, signal.SIGTERM) + message(0x80000000, 11, 10, 0)
+            + message(0x00000001, 12, 12, 0) + message(0x80000000, 13, 13, 1 << 8))
+    assert proc_connector._exits_in(data) == [(10, signal.SIGTERM), (13, 256)]
+    assert [proc_connector.signal_of(s) for _, s in proc_connector._exits_in(data)] == [
+        signal.SIGTERM, 0]

@@ -14,6 +14,9 @@ Crash behaviour per action (a step found `running` at start):
 - checkpoint: once the request ids (or the time of the signal) are saved, waiting for the
   acknowledgement resumes; a signal is never sent twice;
 - dump_stacks: reads only, so it runs again;
+- restart: publishes `robust_bridge_run_stop_timestamp_seconds` of the run and waits until
+  Prometheus holds it (`notice_timeout_s`) before asking the scheduler, so that RankExited reads
+  the exits it causes as requested;
 - restart / drain_node: resumed when the scheduler can tell whether the operation completed
   (`local` records the step key with the new pid), otherwise failed, never repeated;
 - notify: failed, never repeated (a second page is worse than a logged gap).
@@ -32,12 +35,13 @@ from typing import Any
 
 import httpx
 
+from robust_metrics import schema
 from robust_metrics.bridge.config import BridgeConfig, NotifyConfig
 from robust_metrics.bridge.metrics import BridgeMetrics
 from robust_metrics.bridge.policy import eviction_nodes
 from robust_metrics.bridge.schedulers.base import ActionResult, Scheduler, SchedulerError
 from robust_metrics.bridge.sidecars import ACK_METRIC as SIGNAL_ACK
-from robust_metrics.bridge.sidecars import SidecarClient, SidecarError
+from robust_metrics.bridge.sidecars import SidecarClient, SidecarError, promql_string
 from robust_metrics.bridge.signing import signed_request
 from robust_metrics.bridge.store import Incident, Step
 from robust_metrics.rankfolder.identity import rank_info as identity_rank_info
@@ -45,6 +49,7 @@ from robust_metrics.rankfolder.identity import rank_info as identity_rank_info
 __all__ = ["Actions", "Interrupted", "Notifier", "Outcome", "StepContext"]
 
 log = logging.getLogger(__name__)
+RUN_STOP = schema.RUN_STOP_TIMESTAMP.name
 
 
 class Interrupted(Exception):
@@ -370,10 +375,31 @@ class Actions:
         if ctx.resumed and scheduler.completed(run, ctx.key):
             return Outcome("success", f"restart of run {run} had completed before the bridge "
                            "restarted", {"scheduler": name})
+        notice = self._announce_stop(run, float(ctx.options.get("notice_timeout_s", 60.0)))
         result = scheduler.restart(run, self._reason(ctx), key=ctx.key)
         return Outcome("success" if result.ok else "failed", result.detail,
-                       {"scheduler": name, **result.data,
+                       {"scheduler": name, **result.data, "stop_notice": notice,
                         "highest_step": ctx.spec.get("highest_step")})
+
+    def _announce_stop(self, run: str, timeout_s: float) -> str:
+        """Publish that the bridge is about to stop `run`, and wait (at most `timeout_s`) until
+        Prometheus holds it: the rules then read every exit that follows as requested, never as
+        a crash, because the notice is stored before the first exit can be."""
+        began = time.time()
+        self.metrics.run_stop.labels(run=run).set(began)
+        if not self.sidecars.prometheus_url:
+            return "published; not awaited (prometheus.url is not set)"
+        promql = f"{RUN_STOP}{{run={promql_string(run)}}} >= {began:.3f}"
+        while True:
+            try:
+                if self.sidecars.query(promql):
+                    return f"seen by Prometheus after {time.time() - began:.1f} s"
+            except SidecarError as exc:
+                log.warning("stop notice of run %s: %s", run, exc)
+            if time.time() - began >= timeout_s:
+                return f"not seen by Prometheus within {timeout_s:g} s; stopped anyway"
+            if self.stop.wait(0.25):
+                raise Interrupted()
 
     def _drain_node(self, ctx: StepContext) -> Outcome:
         if ctx.spec.get("over_evict"):

@@ -231,7 +231,8 @@ _ACTION_OPTIONS: dict[str, dict[str, tuple[str, Any]]] = {
                    "scheduler": ("scheduler", None)},
     "dump_stacks": {},
     "restart": {"scheduler": ("scheduler", None), "checkpoint_first": ("bool", False),
-                "require_checkpoint": ("bool", False), "checkpoint_timeout_s": ("number", 120.0)},
+                "require_checkpoint": ("bool", False), "checkpoint_timeout_s": ("number", 120.0),
+                "notice_timeout_s": ("number", 60.0)},
     "drain_node": {"scheduler": ("scheduler", None)},
     "notify": {"message": ("str", None)},
 }

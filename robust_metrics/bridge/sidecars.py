@@ -24,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from robust_metrics import schema
 from robust_metrics.bridge.config import SidecarEndpoints
 
-__all__ = ["SidecarClient", "SidecarError", "nodes_from_labels"]
+__all__ = ["SidecarClient", "SidecarError", "nodes_from_labels", "promql_string"]
 
 ACK_METRIC = schema.get("robust_checkpoint_request_id").name
 INFO_METRIC = schema.get("robust_rank_info").name
@@ -41,7 +41,7 @@ def nodes_from_labels(labels: Mapping[str, str]) -> list[str]:
     return sorted({n.strip() for n in raw.split(",") if n.strip()})
 
 
-def _promql_string(value: str) -> str:
+def promql_string(value: str) -> str:
     return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
@@ -88,7 +88,7 @@ class SidecarClient:
         if not self.prometheus_url:
             raise SidecarError(f"no node for run {run!r}: the alert has no `node` label and "
                                "prometheus.url is not configured")
-        result = self.query(f"group by (node) ({INFO_METRIC}{{run={_promql_string(run)}}})")
+        result = self.query(f"group by (node) ({INFO_METRIC}{{run={promql_string(run)}}})")
         nodes = sorted({r["metric"].get("node", "") for r in result} - {""})
         if not nodes:
             raise SidecarError(f"Prometheus knows no ranks of run {run!r} ({INFO_METRIC})")
@@ -97,7 +97,7 @@ class SidecarClient:
     def checkpoint_ids(self, run: str) -> dict[str, float]:
         """rank -> newest checkpoint request id the rank acknowledged, for every rank of the run
         Prometheus knows (from its info series; 0 for a rank that never acknowledged one)."""
-        sel = f"{{run={_promql_string(run)}}}"
+        sel = f"{{run={promql_string(run)}}}"
         result = self.query(f"max by (rank) ({ACK_METRIC}{sel}) or on(rank) "
                             f"(0 * max by (rank) ({INFO_METRIC}{sel}))")
         return {r["metric"]["rank"]: float(r["value"][1]) for r in result
@@ -177,7 +177,7 @@ class SidecarClient:
     def acknowledged(self, run: str, node: str, request_id: int) -> tuple[bool, str]:
         """Whether every rank of `run` on `node` has handled request `request_id`."""
         if self.config.ack_source == "prometheus":
-            sel = f"{{run={_promql_string(run)}}}"
+            sel = f"{{run={promql_string(run)}}}"
             result = self.query(
                 f"min by (node) ({ACK_METRIC}{sel} * on(run, rank) group_left(node) "
                 f"(max by (run, rank, node) ({INFO_METRIC}{sel})))")

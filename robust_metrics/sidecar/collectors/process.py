@@ -11,7 +11,9 @@ report that it died; the sidecar can. Per rank (the newest process of each `run`
   stopped on request and counts as ended too; any other exit (SIGKILL, OOM kill, segfault, an
   exception) is a crash;
 - when it exited, noticed at once through a pidfd (Linux 5.3+) rather than at the next scrape, so
-  that the first rank to die can be told from the peers that die of its death a moment later;
+  that the first rank to die can be told from the peers that die of its death a moment later; the
+  signal that ended it comes from the kernel's process events where the sidecar may subscribe
+  (`proc_connector`), else from the zombie before its parent reaps it;
 - its CPU time and resident memory;
 - the seconds since its last completed step, computed at scrape time from
   `robust_last_step_timestamp_seconds` (or from `watch()` before its first step), so the age of a
@@ -35,6 +37,7 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 from robust_metrics import schema
 from robust_metrics.sidecar.collector import register_collector
 from robust_metrics.sidecar.config import SidecarConfig
+from robust_metrics.sidecar.proc_connector import ProcExits, signal_of
 from robust_metrics.sidecar.rankdir import RankFolder, RankIdentity
 
 __all__ = ["ExitWatcher", "ProcessCollector", "newest_per_rank"]
@@ -79,7 +82,9 @@ class ExitWatcher:
     is the first scrape that finds the process gone.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, events: bool = True) -> None:
+        self._events_wanted = events
+        self._events: ProcExits | None = None
         self._lock = threading.Lock()
         self._fds: dict[int, int] = {}  # fd -> pid
         self._pids: set[int] = set()
@@ -108,6 +113,9 @@ class ExitWatcher:
             self._fds[fd] = pid
             self._poll.register(fd, select.POLLIN)
             if self._thread is None:
+                self._events = ProcExits.open() if self._events_wanted else None
+                if self._events is not None:
+                    self._poll.register(self._events.fileno(), select.POLLIN)
                 self._thread = threading.Thread(target=self._run, daemon=True,
                                                 name="robust-metrics-exits")
                 self._thread.start()
@@ -130,6 +138,11 @@ class ExitWatcher:
                 del self._exited[pid]
                 self._signals.pop(pid, None)
 
+    @property
+    def events(self) -> bool:
+        """Whether exit signals come from the kernel's process events (race-free)."""
+        return self._events is not None
+
     def close(self) -> None:
         self._stop = True
         with contextlib.suppress(OSError):
@@ -149,6 +162,9 @@ class ExitWatcher:
                     with contextlib.suppress(OSError):
                         os.read(self._wake_r, 4096)
                     continue
+                if self._events is not None and fd == self._events.fileno():
+                    self._record_events(self._events)
+                    continue
                 with self._lock:
                     pid = self._fds.pop(fd, None)
                     self._poll.unregister(fd)
@@ -158,7 +174,24 @@ class ExitWatcher:
                         self._exited.setdefault(pid, now)
                         sig = exit_signal(pid)  # the zombie lives until its parent reaps it
                         if sig is not None:
-                            self._signals[pid] = sig
+                            self._signals.setdefault(pid, sig)
+        if self._events is not None:
+            self._events.close()
+
+    def _record_events(self, events: ProcExits) -> None:
+        try:
+            exits = events.read()
+        except OSError as exc:
+            log.warning("process events unreadable, falling back to zombies: %s", exc)
+            assert self._poll is not None
+            self._poll.unregister(events.fileno())
+            events.close()
+            self._events = None
+            return
+        with self._lock:
+            for tgid, status in exits:
+                if tgid in self._pids or tgid in self._exited:
+                    self._signals[tgid] = signal_of(status)
 
 
 class ProcessCollector:
