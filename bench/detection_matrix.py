@@ -339,6 +339,7 @@ class Bench:
                 proc.wait(timeout=30)
             self.watch(run, seen, time.time() + 5)
             if fault.inject == "requeue":
+                (logs / "requeued").mkdir()
                 again = RankJob(WORLD, [], script=JOB, log_dir=logs / "requeued", run=run,
                                 env=env)
                 self.wait_stepping(run, again, steps=1, fresh=result.ended_at)
@@ -541,6 +542,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="length of the healthy run (240 s at 1/15 = 1 hour at the defaults)")
     p.add_argument("--out", default="", help="write the results as JSON here")
     p.add_argument("--seed", type=int, default=13)
+    p.add_argument("--keep", action="store_true",
+                   help="keep the working folder (logs, configs, databases) and print its path")
     args = p.parse_args(argv)
     random.seed(args.seed)
     chosen = faults(args.healthy_seconds)
@@ -582,7 +585,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         Path(args.out).write_text(json.dumps({"summary": summary,
                                               "trials": [r.__dict__ for r in results]}, indent=1))
-    shutil.rmtree(folder, ignore_errors=True)
+    if args.keep:
+        print(f"kept {folder}")
+    else:
+        shutil.rmtree(folder, ignore_errors=True)
     return 0
 
 
