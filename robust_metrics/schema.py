@@ -317,6 +317,12 @@ RANK_EXIT_TIMESTAMP = _declare(
     "the earliest exit of a run names the rank that failed first.", source=SIDECAR, unit="seconds",
     on_event=True,
 )
+RANK_EXIT_GLOBAL_STEP = _declare(
+    "robust_rank_exit_global_step", G,
+    "The global step an exited rank had reached, read from its files after its exit (only for "
+    "exited processes): the step evidence of a crash, which no scrape may have caught alive.",
+    source=SIDECAR, on_event=True,
+)
 RANK_STEP_AGE = _declare(
     "robust_rank_step_age_seconds", G,
     "Seconds since the rank last completed a step, computed at scrape time, so a rank stuck in a "
@@ -476,6 +482,12 @@ RUN_STOP_TIMESTAMP = _declare(
     "robust_bridge_run_stop_timestamp_seconds", G,
     "When the bridge last began stopping the run (a restart), set before it asks the scheduler: "
     "rank exits from then on were requested, not crashes.",
+    labels=("run",), source=BRIDGE, unit="seconds",
+)
+RUN_STOP_END_TIMESTAMP = _declare(
+    "robust_bridge_run_stop_end_timestamp_seconds", G,
+    "When the bridge's last stop of the run ended (the scheduler's restart returned): exits after "
+    "it are the new processes' own again.",
     labels=("run",), source=BRIDGE, unit="seconds",
 )
 HANG_SUSPECT = _declare(

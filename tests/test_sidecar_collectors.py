@@ -535,3 +535,45 @@ def test_process_events_are_parsed_per_process_not_per_thread() -> None:
     assert proc_connector._exits_in(data) == [(10, signal.SIGTERM), (13, 256)]
     assert [proc_connector.signal_of(s) for _, s in proc_connector._exits_in(data)] == [
         signal.SIGTERM, 0]
+
+
+def test_a_dead_ranks_global_step_outlives_it_and_its_files(tmp_path: Path) -> None:
+    """A rank that steps faster than the scrapes and dies (SIGKILL) right after its last step:
+    no scrape saw that step alive, but its files hold it. The sidecar publishes it as the exit
+    step, beside the exit time, and keeps it after merging the dead files away, until a new
+    process of the rank replaces the dead one."""
+    (tmp_path / "ranks").mkdir()
+    script = (
+        "import os, sys, time\n"
+        "from robust_metrics import schema\n"
+        "from robust_metrics.hooks.sinks import MultiprocessSink\n"
+        "from robust_metrics.hooks.store import MetricStore\n"
+        "store = MetricStore({'run': 'r', 'rank': '1'})\n"
+        "sink = MultiprocessSink(sys.argv[1])\n"
+        "for step in range(1, 10):\n"
+        "    store.series(schema.GLOBAL_STEP).set(step)\n"
+        "    sink.flush(store)\n"
+        "    time.sleep(0.01)\n"
+        "print('stepped', flush=True)\n"
+        "time.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        (tmp_path / "ranks" / f"{proc.pid}.json").write_text(json.dumps(
+            {"run": "r", "rank": 1, "pid": proc.pid, "started": time.time()}))
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "stepped"
+        proc.kill()
+        proc.wait()
+        folder = RankFolder(str(tmp_path), cache_seconds=0, merge_after=0)
+        registry = registry_of(process=ProcessCollector(folder), ranks=RanksCollector(folder))
+        assert sample(registry, "robust_global_step", run="r", rank="1") is None  # gauges go
+        assert sample(registry, "robust_rank_exit_global_step", run="r", rank="1") == 9
+        assert not list(tmp_path.glob(f"gauge_*_{proc.pid}.db")), "the dead files were merged"
+        assert sample(registry, "robust_rank_exit_global_step", run="r", rank="1") == 9
+        (tmp_path / "ranks" / f"{os.getpid()}.json").write_text(json.dumps(
+            {"run": "r", "rank": 1, "pid": os.getpid(), "started": time.time() + 1}))
+        assert sample(registry, "robust_rank_exit_global_step", run="r", rank="1") is None
+        folder.close()
+    finally:
+        proc.kill()
+        proc.wait()

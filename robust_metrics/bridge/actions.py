@@ -15,8 +15,9 @@ Crash behaviour per action (a step found `running` at start):
   acknowledgement resumes; a signal is never sent twice;
 - dump_stacks: reads only, so it runs again;
 - restart: publishes `robust_bridge_run_stop_timestamp_seconds` of the run and waits until
-  Prometheus holds it (`notice_timeout_s`) before asking the scheduler, so that RankExited reads
-  the exits it causes as requested;
+  Prometheus holds it (`notice_timeout_s`) before asking the scheduler, and publishes
+  `robust_bridge_run_stop_end_timestamp_seconds` when the scheduler returns, so that RankExited
+  reads the exits in between as requested and later ones as the new processes' own;
 - restart / drain_node: resumed when the scheduler can tell whether the operation completed
   (`local` records the step key with the new pid), otherwise failed, never repeated;
 - notify: failed, never repeated (a second page is worse than a logged gap).
@@ -376,7 +377,10 @@ class Actions:
             return Outcome("success", f"restart of run {run} had completed before the bridge "
                            "restarted", {"scheduler": name})
         notice = self._announce_stop(run, float(ctx.options.get("notice_timeout_s", 60.0)))
-        result = scheduler.restart(run, self._reason(ctx), key=ctx.key)
+        try:
+            result = scheduler.restart(run, self._reason(ctx), key=ctx.key)
+        finally:
+            self.metrics.run_stop_end.labels(run=run).set(time.time())
         return Outcome("success" if result.ok else "failed", result.detail,
                        {"scheduler": name, **result.data, "stop_notice": notice,
                         "highest_step": ctx.spec.get("highest_step")})
@@ -389,7 +393,8 @@ class Actions:
         self.metrics.run_stop.labels(run=run).set(began)
         if not self.sidecars.prometheus_url:
             return "published; not awaited (prometheus.url is not set)"
-        promql = f"{RUN_STOP}{{run={promql_string(run)}}} >= {began:.3f}"
+        floor = f"{began - 0.001:.3f}"  # printed, never rounded above what was set
+        promql = f"{RUN_STOP}{{run={promql_string(run)}}} >= {floor}"
         while True:
             try:
                 if self.sidecars.query(promql):

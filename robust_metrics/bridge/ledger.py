@@ -52,6 +52,7 @@ Query = Callable[[str, float | None], list[dict[str, Any]]]
 REMEDIAL = ("restart", "drain_node")
 LAST_STEP = schema.LAST_STEP_TIMESTAMP.name
 GLOBAL_STEP = schema.GLOBAL_STEP.name
+EXIT_STEP = schema.RANK_EXIT_GLOBAL_STEP.name
 START_STEP = schema.START_STEP.name
 
 _TABLE = """
@@ -213,9 +214,13 @@ def _scalar(result: list[dict[str, Any]]) -> float | None:
 
 def highest_step(query: Query, run: str, lookback_s: float, at: float | None = None,
                  ) -> float | None:
-    """The run's highest global step over the lookback (None: Prometheus has none)."""
-    return _scalar(query(f"max(max_over_time({GLOBAL_STEP}{_sel(run)}[{lookback_s:.0f}s]))",
-                         at))
+    """The run's highest global step over the lookback (None: Prometheus has none): the ranks'
+    live steps and the steps the sidecar read from the files of ranks that exited, so a crash
+    right after a step counts that step however the scrapes fell."""
+    window = f"{_sel(run)}[{lookback_s:.0f}s]"
+    live = f'label_replace(max_over_time({GLOBAL_STEP}{window}), "from", "live", "", "")'
+    exited = f'label_replace(max_over_time({EXIT_STEP}{window}), "from", "exit", "", "")'
+    return _scalar(query(f"max({live} or {exited})", at))
 
 
 def _points(result: list[dict[str, Any]]) -> list[tuple[float, float]]:

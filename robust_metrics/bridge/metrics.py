@@ -15,7 +15,7 @@ __all__ = ["BridgeMetrics"]
 
 class BridgeMetrics:
     """Webhook requests by status, actions by run/action/result, action duration, hang suspects,
-    and when the bridge began stopping each run."""
+    and when the bridge began and ended stopping each run."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -26,8 +26,9 @@ class BridgeMetrics:
         self.duration = Histogram(d.base_name, d.help, d.labels, buckets=d.buckets,
                                   registry=self.registry)
         self.hang_suspect = Gauge(h.base_name, h.help, h.labels, registry=self.registry)
-        stop = schema.RUN_STOP_TIMESTAMP
+        stop, end = schema.RUN_STOP_TIMESTAMP, schema.RUN_STOP_END_TIMESTAMP
         self.run_stop = Gauge(stop.base_name, stop.help, stop.labels, registry=self.registry)
+        self.run_stop_end = Gauge(end.base_name, end.help, end.labels, registry=self.registry)
 
     def action(self, run: str, action: str, result: str, seconds: float | None) -> None:
         self.actions.labels(run=run, action=action, result=result).inc()

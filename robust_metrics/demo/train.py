@@ -9,6 +9,8 @@ folder, so the demo can play a script against a live job:
     {"nan_rank": 1, "nan_in_steps": 3}       rank 1's loss is NaN 3 steps after it reads this
     {"hang_rank": 3, "hang_step": 200}       rank 3 stops at step 200; its peers wait in all_reduce
                                              (or "hang_in_steps": 3)
+    {"crash_rank": 1, "crash_step": 9}       rank 1 raises once it completed global step 9, in
+                                             every start that reaches it (a crash loop)
 """
 
 from __future__ import annotations
@@ -139,6 +141,8 @@ def main(argv: list[str] | None = None) -> None:
                 optimizer.zero_grad(set_to_none=False)
                 optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            if spec.get("crash_rank") == rank and step + 1 >= int(spec.get("crash_step", 0)):
+                raise RuntimeError(f"rank {rank}: injected crash after step {step + 1}")
             if args.step_sleep:
                 time.sleep(args.step_sleep)
             if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:

@@ -7,7 +7,9 @@ with the old pid, an old `robust_loss`) forever, and deleting the files would ma
 `RankFolder` does what Prometheus needs instead:
 
 - a pid whose process is gone (or whose pid was reused by a younger process) is dead at once: its
-  gauges vanish from the next scrape;
+  gauges vanish from the next scrape, all but its global step, which is read once from its last
+  files and kept while its identity is (the step a crashed rank reached, though no scrape caught
+  its last value alive);
 - its counters, summaries and histograms keep counting from its files until they have been quiet for
   `merge_after` seconds; then they are added into `archive/archive.json` and the files are deleted.
   A file is read either live or from the archive, never both, so sums never double and never drop;
@@ -69,6 +71,7 @@ MAX_SCRAPE_BYTES = 64 << 20
 """Bytes of metric files one scrape reads at most; a node of 8 ranks normally reads under 1 MiB."""
 MAX_ARCHIVE_BYTES = 256 << 20
 _LAST_STEP = schema.LAST_STEP_TIMESTAMP.name
+_GLOBAL_STEP = schema.GLOBAL_STEP.name
 
 
 @dataclass
@@ -82,6 +85,7 @@ class Snapshot:
     last_step: dict[tuple[str, str], float]
     corrupt_total: int
     errors: list[str] = field(default_factory=list)
+    final_step: dict[int, float] = field(default_factory=dict)  # pid -> global step at its exit
 
 
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -324,6 +328,7 @@ class RankFolder:
         self._identity_cache: dict[str, tuple[int, RankIdentity | None]] = {}
         self._corrupt_seen: set[tuple[str, int]] = set()
         self._dead_since: dict[int, float] = {}
+        self._final_steps: dict[int, float] = {}
         prepare(directory)
         self._archive.acquire()
         self._archive.load_if_changed()
@@ -370,6 +375,7 @@ class RankFolder:
             else:
                 self._dead_since.setdefault(pid, now)
         live_runs = {ident.run for pid, ident in identities.items() if alive[pid]}
+        self._keep_final_steps(files, alive, pids, errors)
         acc = _Accumulator()
         to_delete: list[str] = []
         merged_pids = set()
@@ -418,7 +424,22 @@ class RankFolder:
                 for s in family.samples:
                     last_step[(s.labels.get("run", ""), s.labels.get("rank", ""))] = s.value
         return Snapshot(now, families, identities, alive, last_step, len(self._corrupt_seen),
-                        errors)
+                        errors, dict(self._final_steps))
+
+    def _keep_final_steps(self, files: dict[int, list[DbFile]], alive: dict[int, bool],
+                          pids: set[int], errors: list[str]) -> None:
+        """Read each newly dead pid's global step from its gauge files, before a merge deletes
+        them; forget pids that left the folder."""
+        for pid in set(self._final_steps) - pids:
+            del self._final_steps[pid]
+        for pid, dbs in files.items():
+            if alive[pid] or pid in self._final_steps:
+                continue
+            steps = [entry.value for db in dbs if db.type == "gauge"
+                     for (metric, _, _, _), entry in self._read_file(db, errors)
+                     if metric == _GLOBAL_STEP]
+            if steps:
+                self._final_steps[pid] = max(steps)
 
     def _identities(self) -> dict[int, RankIdentity]:
         found: dict[int, RankIdentity] = {}

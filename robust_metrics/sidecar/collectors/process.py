@@ -14,6 +14,7 @@ report that it died; the sidecar can. Per rank (the newest process of each `run`
   that the first rank to die can be told from the peers that die of its death a moment later; the
   signal that ended it comes from the kernel's process events where the sidecar may subscribe
   (`proc_connector`), else from the zombie before its parent reaps it;
+- the global step it had reached when it exited, from its last files (`RankFolder` keeps it);
 - its CPU time and resident memory;
 - the seconds since its last completed step, computed at scrape time from
   `robust_last_step_timestamp_seconds` (or from `watch()` before its first step), so the age of a
@@ -208,6 +209,7 @@ class ProcessCollector:
 
         alive_f, stopped_f = gauge(s.RANK_PROCESS_ALIVE), gauge(s.RANK_PROCESS_STOPPED)
         finished_f, exit_f = gauge(s.RANK_FINISHED), gauge(s.RANK_EXIT_TIMESTAMP)
+        exit_step_f = gauge(s.RANK_EXIT_GLOBAL_STEP)
         cpu_f = CounterMetricFamily(s.RANK_PROCESS_CPU.name, s.RANK_PROCESS_CPU.help,
                                     labels=LABELS)
         rss_f, age_f = gauge(s.RANK_PROCESS_RSS), gauge(s.RANK_STEP_AGE)
@@ -233,6 +235,8 @@ class ProcessCollector:
                 finished_f.add_metric(labels, 1.0)  # present only when true: no healthy series
             if not alive:
                 exit_f.add_metric(labels, self.exits.exited(ident.pid, now))
+                if ident.pid in snapshot.final_step:
+                    exit_step_f.add_metric(labels, snapshot.final_step[ident.pid])
                 continue
             self.exits.watch(ident.pid)
             if status in _STOPPED:
@@ -244,7 +248,7 @@ class ProcessCollector:
             since = last if last else ident.started
             if since and not ident.finished:  # a rank shutting down after close() is no hang
                 age_f.add_metric(labels, max(0.0, now - since))
-        yield from (alive_f, stopped_f, finished_f, exit_f, cpu_f, rss_f, age_f)
+        yield from (alive_f, stopped_f, finished_f, exit_f, exit_step_f, cpu_f, rss_f, age_f)
 
 
 @register_collector("process", default_enabled=True,
