@@ -483,8 +483,8 @@ class MatrixBridge:
             actions = httpx.get(f"{base}/actions", params={"run": run}, headers=headers,
                                 timeout=10).json()
             actions = actions.get("actions", actions) if isinstance(actions, dict) else actions
-            return any(a.get("action") == "restart" and a.get("status") in ("success", "failed")
-                       for a in actions)
+            return any(s.get("action") == "restart" and s.get("status") in ("success", "failed")
+                       for a in actions for s in a.get("steps", []))
         wait_for(restarted, timeout=90, interval=0.5, message=f"the bridge's restart of {run}")
 
 
