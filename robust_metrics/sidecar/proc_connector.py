@@ -107,5 +107,5 @@ def _exits_in(data: bytes) -> list[tuple[int, int]]:
 
 
 def signal_of(status: int) -> int:
-    """The signal in a wait status (0 for a plain exit), as `exit_signal` reads it from a zombie."""
+    """The signal in a wait status (0 for a plain exit), from an event or a zombie's stat."""
     return os.WTERMSIG(status) if os.WIFSIGNALED(status) else 0

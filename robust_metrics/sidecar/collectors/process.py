@@ -59,7 +59,7 @@ def exit_signal(pid: int) -> int | None:
         fields = raw[raw.rfind(b")") + 2:].split()
         if fields[0] not in (b"Z", b"X"):
             return None
-        return int(fields[_EXIT_CODE_FIELD]) & 0x7F
+        return signal_of(int(fields[_EXIT_CODE_FIELD]))  # the field is the wait status
     except (OSError, IndexError, ValueError):
         return None
 
@@ -128,7 +128,10 @@ class ExitWatcher:
             return self._exited.setdefault(pid, now)
 
     def stopped_on_request(self, pid: int) -> bool:
-        """Whether `pid` was ended by SIGTERM, SIGINT or SIGHUP (seen at its exit)."""
+        """Whether `pid` was ended by SIGTERM, SIGINT or SIGHUP (seen at its exit). Queued
+        process events are read first: a scrape may find the rank gone before this watcher's
+        thread has woken up to its exit."""
+        self._record_events(from_poll=False)
         with self._lock:
             return self._signals.get(pid) in _REQUESTED_STOP
 
@@ -138,11 +141,6 @@ class ExitWatcher:
             for pid in set(self._exited) - keep:
                 del self._exited[pid]
                 self._signals.pop(pid, None)
-
-    @property
-    def events(self) -> bool:
-        """Whether exit signals come from the kernel's process events (race-free)."""
-        return self._events is not None
 
     def close(self) -> None:
         self._stop = True
@@ -164,7 +162,7 @@ class ExitWatcher:
                         os.read(self._wake_r, 4096)
                     continue
                 if self._events is not None and fd == self._events.fileno():
-                    self._record_events(self._events)
+                    self._record_events()
                     continue
                 with self._lock:
                     pid = self._fds.pop(fd, None)
@@ -179,17 +177,25 @@ class ExitWatcher:
         if self._events is not None:
             self._events.close()
 
-    def _record_events(self, events: ProcExits) -> None:
-        try:
-            exits = events.read()
-        except OSError as exc:
-            log.warning("process events unreadable, falling back to zombies: %s", exc)
-            assert self._poll is not None
-            self._poll.unregister(events.fileno())
-            events.close()
-            self._events = None
-            return
+    def _record_events(self, from_poll: bool = True) -> None:
+        """Record the exit signals queued on the connector. The kernel queues a process's exit
+        event before its pidfd or its parent's waitpid can report the exit, so whoever sees a
+        rank gone finds its signal here. Read under the lock, so that a second reader never
+        returns while the first holds an event it has not recorded yet."""
         with self._lock:
+            events = self._events
+            if events is None:
+                return
+            try:
+                exits = events.read()
+            except OSError as exc:
+                if from_poll:  # the poll thread owns the poll set: it falls back
+                    log.warning("process events unreadable, falling back to zombies: %s", exc)
+                    assert self._poll is not None
+                    self._poll.unregister(events.fileno())
+                    events.close()
+                    self._events = None
+                return
             for tgid, status in exits:
                 if tgid in self._pids or tgid in self._exited:
                     self._signals[tgid] = signal_of(status)
