@@ -328,7 +328,7 @@ class RankFolder:
         self._identity_cache: dict[str, tuple[int, RankIdentity | None]] = {}
         self._corrupt_seen: set[tuple[str, int]] = set()
         self._dead_since: dict[int, float] = {}
-        self._final_steps: dict[int, float] = {}
+        self._final_steps: dict[int, float | None] = {}  # None: read, and no step in it
         prepare(directory)
         self._archive.acquire()
         self._archive.load_if_changed()
@@ -423,13 +423,14 @@ class RankFolder:
             if family.name == _LAST_STEP:
                 for s in family.samples:
                     last_step[(s.labels.get("run", ""), s.labels.get("rank", ""))] = s.value
+        final_step = {pid: step for pid, step in self._final_steps.items() if step is not None}
         return Snapshot(now, families, identities, alive, last_step, len(self._corrupt_seen),
-                        errors, dict(self._final_steps))
+                        errors, final_step)
 
     def _keep_final_steps(self, files: dict[int, list[DbFile]], alive: dict[int, bool],
                           pids: set[int], errors: list[str]) -> None:
-        """Read each newly dead pid's global step from its gauge files, before a merge deletes
-        them; forget pids that left the folder."""
+        """Read each newly dead pid's global step from its gauge files once, before a merge
+        deletes them (a pid without one is not read again); forget pids that left the folder."""
         for pid in set(self._final_steps) - pids:
             del self._final_steps[pid]
         for pid, dbs in files.items():
@@ -438,8 +439,7 @@ class RankFolder:
             steps = [entry.value for db in dbs if db.type == "gauge"
                      for (metric, _, _, _), entry in self._read_file(db, errors)
                      if metric == _GLOBAL_STEP]
-            if steps:
-                self._final_steps[pid] = max(steps)
+            self._final_steps[pid] = max(steps) if steps else None
 
     def _identities(self) -> dict[int, RankIdentity]:
         found: dict[int, RankIdentity] = {}
