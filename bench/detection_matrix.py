@@ -83,6 +83,11 @@ class Fault:
     steps_first: int = 20  # steps every rank makes before the fault (0: the fault comes first)
     stall_factor: float = 0.0  # sigstop: SIGCONT after this many hang thresholds (0: never)
 
+    def expects(self, labels: dict[str, str]) -> bool:
+        """Whether an alert with these labels is the one this fault must raise."""
+        return labels["alertname"] == self.expected and (
+            self.rank is None or labels.get("rank") == str(self.rank))
+
 
 HANG = frozenset({"TrainingHang"})
 SLOW = frozenset({"StragglerSlowdownHigh", "ThroughputDrop"})
@@ -303,8 +308,7 @@ class Bench:
     def _detected(fault: Fault, seen: dict[str, dict[str, Any]], t0: float, result: Trial,
                   before: float) -> None:
         hits = [a["first_seen"] for a in seen.values()
-                if a["labels"]["alertname"] == fault.expected
-                and a["labels"].get("rank") == str(fault.rank) and a["first_seen"] <= before]
+                if fault.expects(a["labels"]) and a["first_seen"] <= before]
         if hits:
             result.detected, result.latency_s = True, round(min(hits) - t0, 2)
 
@@ -378,18 +382,11 @@ class Bench:
     def _watch_positive(self, run: str, fault: Fault, t0: float, result: Trial,
                         seen: dict[str, dict[str, Any]]) -> None:
         deadline = time.time() + fault.timeout
-        settle_until = None
-        while time.time() < (settle_until or deadline):
-            now = time.time()
-            for alert in self.firing(run):
-                key = json.dumps(alert["labels"], sort_keys=True)
-                seen.setdefault(key, {**alert, "first_seen": now})
-                if (not result.detected and alert["labels"]["alertname"] == fault.expected
-                        and (fault.rank is None
-                             or alert["labels"].get("rank") == str(fault.rank))):
-                    result.detected, result.latency_s = True, round(now - t0, 2)
-                    settle_until = now + 3
-            time.sleep(0.25)
+        while time.time() < deadline and not result.detected:
+            self.watch(run, seen, time.time() + 0.25)
+            self._detected(fault, seen, t0, result, before=float("inf"))
+        if result.detected:
+            self.watch(run, seen, time.time() + 3)  # the companions that follow
 
     def _watch_negative(self, run: str, job: RankJob, fault: Fault,
                         seen: dict[str, dict[str, Any]]) -> None:
@@ -408,8 +405,7 @@ class Bench:
             labels = alert["labels"]
             name = labels["alertname"]
             tag = name + (f"(rank {labels['rank']})" if "rank" in labels else "")
-            right = name == fault.expected and (fault.rank is None
-                                                or labels.get("rank") == str(fault.rank))
+            right = fault.expects(labels)
             late = (result.ended_at is not None
                     and alert.get("first_seen", 0.0) > result.ended_at + AFTER_END_S)
             if late:
