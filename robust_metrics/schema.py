@@ -325,8 +325,9 @@ RANK_EXIT_GLOBAL_STEP = _declare(
 )
 RANK_STEP_AGE = _declare(
     "robust_rank_step_age_seconds", G,
-    "Seconds since the rank last completed a step, computed at scrape time, so a rank stuck in a "
-    "collective shows its age growing.", source=SIDECAR, unit="seconds",
+    "Seconds since the rank last completed a step, as of the rank's last write of its files while "
+    "it writes them, then on the sidecar's clock, so a rank stuck in a collective or stopped "
+    "shows its age growing.", source=SIDECAR, unit="seconds",
 )
 RANK_GPU_INFO = _declare(
     "robust_rank_gpu_info", G, "Always 1; which GPU a rank's process uses.",

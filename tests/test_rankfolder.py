@@ -73,3 +73,17 @@ def test_an_identity_file_cannot_claim_another_pid(tmp_path: Path) -> None:
     (tmp_path / "ranks").mkdir()
     (tmp_path / "ranks" / "77.json").write_text('{"run": "r", "rank": 0, "pid": 1}')
     assert set(read_identities(str(tmp_path))) == {77}
+
+
+def test_the_write_interval_in_an_identity_is_read_only_when_it_is_a_duration(
+        tmp_path: Path) -> None:
+    """The sidecar uses the hook's write interval to tell stale files; the file is the job's, so
+    a value that is no plausible number of seconds is ignored rather than trusted."""
+    write_identity(str(tmp_path), run="j1", rank=0, local_rank=0, node="n", world_size=1,
+                   flush_interval=0.25)
+    (ident,) = read_identities(str(tmp_path)).values()
+    assert ident.flush_interval == 0.25
+    for hostile in ('"0.25"', "true", "-1", "0", "1e300", "NaN", "[1]"):
+        (tmp_path / "ranks" / "77.json").write_text(
+            f'{{"run": "r", "rank": 0, "flush_interval": {hostile}}}')
+        assert read_identities(str(tmp_path))[77].flush_interval is None, hostile

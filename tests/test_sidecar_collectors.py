@@ -32,7 +32,11 @@ from robust_metrics.sidecar.collectors.nccl_ras import (
 )
 from robust_metrics.sidecar.collectors.nic import NicCollector, parse_rate
 from robust_metrics.sidecar.collectors.nvml import NvmlCollector
-from robust_metrics.sidecar.collectors.process import ProcessCollector
+from robust_metrics.sidecar.collectors.process import (
+    WRITES_STALE_AFTER,
+    ProcessCollector,
+    step_age,
+)
 from robust_metrics.sidecar.collectors.ranks import RanksCollector
 from robust_metrics.sidecar.proc_connector import ProcExits
 from robust_metrics.sidecar.rankdir import RankFolder
@@ -577,3 +581,46 @@ def test_a_dead_ranks_global_step_outlives_it_and_its_files(tmp_path: Path) -> N
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_step_age_is_as_of_the_last_write_while_the_rank_writes() -> None:
+    """A job that steps every 0.05 s writes its files every 0.25 s: between writes the sidecar
+    cannot see the steps taken since, so the age counts to the last write, not to the scrape."""
+    assert step_age(now=100.8, since=100.0, written=100.2) == pytest.approx(0.2)
+    # writes stopped (a stopped process): the age grows on the sidecar's clock
+    assert step_age(now=105.0, since=100.0, written=100.2) == pytest.approx(5.0)
+    # a hook that writes every 2 s is stale only after 3 of its intervals
+    assert step_age(now=105.0, since=100.0, written=100.2, flush_interval=2.0) == pytest.approx(0.2)
+    # the folder is the job's: a write time before the step or in the future is ignored
+    assert step_age(now=101.0, since=100.0, written=99.0) == pytest.approx(1.0)
+    assert step_age(now=101.0, since=100.0, written=200.0) == pytest.approx(1.0)
+    assert step_age(now=101.0, since=100.0, written=None) == pytest.approx(1.0)
+
+
+def test_the_sidecar_reads_the_step_age_at_the_ranks_last_write(tmp_path: Path) -> None:
+    """The files are written 0.3 s after the last step, and scraped 0.6 s after that: the age is
+    what the rank knew when it wrote (0.3 s), with the wait for the scrape left out."""
+    store = MetricStore({"run": "r", "rank": "0"})
+    sink = MultiprocessSink(str(tmp_path))
+    (tmp_path / "ranks").mkdir()
+    (tmp_path / "ranks" / f"{os.getpid()}.json").write_text(json.dumps(
+        {"run": "r", "rank": 0, "pid": os.getpid(), "started": time.time() - 5,
+         "flush_interval": 0.25}))
+    folder = RankFolder(str(tmp_path), cache_seconds=0)
+    registry = registry_of(process=ProcessCollector(folder))
+    try:
+        stepped = time.time()
+        store.series(schema.LAST_STEP_TIMESTAMP).set(stepped)
+        time.sleep(0.3)
+        sink.flush(store)
+        written = max(p.stat().st_mtime for p in tmp_path.glob("*.db"))
+        time.sleep(0.6)
+        age = sample(registry, "robust_rank_step_age_seconds", run="r", rank="0")
+        assert age == pytest.approx(written - stepped, abs=1e-3)
+        assert 0.29 <= age < 0.6
+        time.sleep(WRITES_STALE_AFTER)  # no write since: the age grows with the clock
+        age = sample(registry, "robust_rank_step_age_seconds", run="r", rank="0")
+        assert age is not None and age >= 0.3 + 0.6 + WRITES_STALE_AFTER
+    finally:
+        sink.close(store)
+        folder.close()

@@ -169,7 +169,8 @@ class Watch:
         o = self.options
         write_identity(str(o.metrics_dir), run=o.run, rank=o.rank, local_rank=o.local_rank,
                        node=o.node, world_size=o.world_size, topology=o.topology,
-                       started=self._started, finished=finished)
+                       started=self._started, finished=finished,
+                       flush_interval=o.flush_interval or None)
 
     def _cuda_device(self) -> Any:
         with contextlib.suppress(Exception):

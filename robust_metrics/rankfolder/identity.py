@@ -51,6 +51,7 @@ class RankIdentity:
     world_size: str = ""
     started: float | None = None
     finished: float | None = None  # written by the hook at a normal end: the exit is no crash
+    flush_interval: float | None = None  # seconds between the hook's writes of its files
     dp_rank: str = ""
     pp_rank: str = ""
     tp_rank: str = ""
@@ -70,7 +71,7 @@ def identity_name(pid: int) -> str:
 def write_identity(directory: str, *, run: str, rank: int | str, local_rank: int | str,
                    node: str, world_size: int | str, topology: Mapping[str, int] | None = None,
                    pid: int | None = None, started: float | None = None,
-                   finished: float | None = None) -> str:
+                   finished: float | None = None, flush_interval: float | None = None) -> str:
     """Write this process's identity into `directory/ranks/` atomically; returns the path."""
     pid = os.getpid() if pid is None else pid
     topology = dict(topology or {})
@@ -79,6 +80,8 @@ def write_identity(directory: str, *, run: str, rank: int | str, local_rank: int
               "started": time.time() if started is None else started}
     if finished is not None:
         record["finished"] = finished
+    if flush_interval is not None:
+        record["flush_interval"] = flush_interval
     os.makedirs(directory, exist_ok=True)
     fd = open_dir(os.path.join(directory, RANKS_DIR), create=True, mode=0o1733, listing=False)
     try:
@@ -103,6 +106,18 @@ def _timestamp(record: Mapping[str, Any], key: str) -> float | None:
     return float(value)
 
 
+MAX_FLUSH_INTERVAL = 3600.0
+
+
+def _flush_interval(record: Mapping[str, Any]) -> float | None:
+    """The hook's write interval, or None when absent or not a plausible number of seconds (the
+    file is the job's: a value that is no duration is ignored, not trusted)."""
+    value = record.get("flush_interval")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if 0 < value <= MAX_FLUSH_INTERVAL else None
+
+
 def parse_identity(data: bytes, pid: int, uid: int | None = None) -> RankIdentity:
     """The identity in `data` (the file's bytes) of the process `pid`; ValueError when malformed.
 
@@ -125,7 +140,8 @@ def parse_identity(data: bytes, pid: int, uid: int | None = None) -> RankIdentit
         local_rank=_text(record.get("local_rank")), node=_text(record.get("node")),
         world_size=_text(record.get("world_size")), started=started, finished=finished,
         dp_rank=_text(topology.get("dp_rank")), pp_rank=_text(topology.get("pp_rank")),
-        tp_rank=_text(topology.get("tp_rank")), uid=uid)
+        tp_rank=_text(topology.get("tp_rank")), uid=uid,
+        flush_interval=_flush_interval(record))
 
 
 def pid_of(name: str) -> int | None:

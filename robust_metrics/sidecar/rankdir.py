@@ -86,6 +86,7 @@ class Snapshot:
     corrupt_total: int
     errors: list[str] = field(default_factory=list)
     final_step: dict[int, float] = field(default_factory=dict)  # pid -> global step at its exit
+    written: dict[int, float] = field(default_factory=dict)  # pid -> last write of its files
 
 
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -360,11 +361,15 @@ class RankFolder:
         self._budget = self.max_scrape_bytes
         identities = self._identities()
         files: dict[int, list[DbFile]] = defaultdict(list)
+        written: dict[int, float] = {}
         with os.scandir(self.directory) as it:
             for entry in it:
                 db = parse_name(self.directory, entry.name)
                 if db is not None and entry.is_file(follow_symlinks=False):
                     files[db.pid].append(db)
+                    with contextlib.suppress(OSError):
+                        mtime = entry.stat(follow_symlinks=False).st_mtime
+                        written[db.pid] = max(mtime, written.get(db.pid, mtime))
         pids = set(files) | set(identities)
         alive = {}
         for pid in pids:
@@ -425,7 +430,7 @@ class RankFolder:
                     last_step[(s.labels.get("run", ""), s.labels.get("rank", ""))] = s.value
         final_step = {pid: step for pid, step in self._final_steps.items() if step is not None}
         return Snapshot(now, families, identities, alive, last_step, len(self._corrupt_seen),
-                        errors, final_step)
+                        errors, final_step, written)
 
     def _keep_final_steps(self, files: dict[int, list[DbFile]], alive: dict[int, bool],
                           pids: set[int], errors: list[str]) -> None:

@@ -16,9 +16,12 @@ report that it died; the sidecar can. Per rank (the newest process of each `run`
   (`proc_connector`), else from the zombie before its parent reaps it;
 - the global step it had reached when it exited, from its last files (`RankFolder` keeps it);
 - its CPU time and resident memory;
-- the seconds since its last completed step, computed at scrape time from
-  `robust_last_step_timestamp_seconds` (or from `watch()` before its first step), so the age of a
-  hung rank keeps growing.
+- the seconds since its last completed step (or since `watch()` before its first step), as of
+  the rank's last write of its files while it keeps writing them (every `flush_interval`, from a
+  thread that also writes while the training thread waits in a collective), so the age of a job
+  whose steps are shorter than the write interval does not include the wait for the next write;
+  once the writes stop (a stopped process), counted on the sidecar's clock, so the age of a hung
+  rank keeps growing.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from robust_metrics.sidecar.config import SidecarConfig
 from robust_metrics.sidecar.proc_connector import ProcExits, signal_of
 from robust_metrics.sidecar.rankdir import RankFolder, RankIdentity
 
-__all__ = ["ExitWatcher", "ProcessCollector", "newest_per_rank"]
+__all__ = ["ExitWatcher", "ProcessCollector", "newest_per_rank", "step_age"]
 
 log = logging.getLogger(__name__)
 LABELS = ["run", "rank"]
@@ -201,6 +204,22 @@ class ExitWatcher:
                     self._signals[tgid] = signal_of(status)
 
 
+WRITES_STALE_AFTER = 1.0
+"""Seconds without a write after which a rank's files are stale (at least; 3 write intervals for a
+hook that writes less often): its step age then counts on the sidecar's clock."""
+
+
+def step_age(now: float, since: float, written: float | None,
+             flush_interval: float | None = None) -> float:
+    """Seconds since `since` (the last step): as of the last write `written` while the files are
+    fresh, else as of `now`. A write time outside [since, now] (the folder is the job's) is
+    ignored."""
+    stale_after = max(WRITES_STALE_AFTER, 3 * (flush_interval or 0.0))
+    if written is not None and since <= written <= now and now - written <= stale_after:
+        return written - since
+    return max(0.0, now - since)
+
+
 class ProcessCollector:
     def __init__(self, folder: RankFolder, exits: ExitWatcher | None = None) -> None:
         self.folder = folder
@@ -253,7 +272,8 @@ class ProcessCollector:
             last = snapshot.last_step.get((run, rank))
             since = last if last else ident.started
             if since and not ident.finished:  # a rank shutting down after close() is no hang
-                age_f.add_metric(labels, max(0.0, now - since))
+                written = snapshot.written.get(ident.pid)
+                age_f.add_metric(labels, step_age(now, since, written, ident.flush_interval))
         yield from (alive_f, stopped_f, finished_f, exit_f, exit_step_f, cpu_f, rss_f, age_f)
 
 
