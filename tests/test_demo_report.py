@@ -12,6 +12,7 @@ from robust_metrics.demo.report import (
     BADPUT_CAUSES,
     LEDGER_HEADER,
     badput,
+    badput_figure,
     ledger_table,
     plot_badput,
     write_report,
@@ -88,6 +89,26 @@ def test_badput_parts_fill_missing_causes_and_report_failed_queries(tmp_path: Pa
 def test_the_badput_plot_is_a_png(tmp_path: Path) -> None:
     plot_badput({**PARTS, "unexplained": 0.0}, tmp_path / "b.png")
     assert (tmp_path / "b.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_badput_legend_covers_neither_the_bar_nor_the_axis_label() -> None:
+    """Seven causes in the legend: it sits below the axis label, apart from the bar, the tick
+    labels and the label; the title gives ETTR beside the productive share it must match."""
+    import matplotlib.pyplot as plt
+
+    fig = badput_figure({**PARTS, "unexplained": 5.0}, ettr_since_start=0.571)
+    try:
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        (ax,) = fig.axes
+        legend = fig.legends[0].get_window_extent(renderer)
+        covered = [ax.get_window_extent(renderer), ax.xaxis.label.get_window_extent(renderer),
+                   *(t.get_window_extent(renderer) for t in ax.get_xticklabels() if t.get_text())]
+        assert not any(legend.overlaps(box) for box in covered)
+        assert len(fig.legends[0].get_texts()) == len(BADPUT_CAUSES)
+        assert ax.get_title() == "Where the wall time went (1430 s): productive 57.7%, ETTR 57.1%"
+    finally:
+        plt.close(fig)
 
 
 def test_the_report_shows_the_ledger_and_the_badput_plot(tmp_path: Path) -> None:

@@ -75,6 +75,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             scenario.play()
             resumed = scenario.wait_for_resume()
+            scenario.wait_for_ledger()
         console.stop()
         report = write_report(stack, scenario.records, started, time.time(),
                               folder / "report", resumed)

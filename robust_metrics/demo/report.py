@@ -10,16 +10,12 @@ from pathlib import Path
 from typing import Any
 
 from robust_metrics.demo.scenario import FaultRecord
-from robust_metrics.demo.stack import RUN, DemoStack
-from robust_metrics.processes import ServiceError
+from robust_metrics.demo.stack import QUERY_ERRORS, RUN, DemoStack
 from robust_metrics.tables import render_table
 
-__all__ = ["BADPUT_CAUSES", "QUERY_ERRORS", "Report", "alerts_fired", "badput", "ettr",
-           "ledger_table", "plot_badput", "summary_table", "write_report"]
+__all__ = ["BADPUT_CAUSES", "QUERY_ERRORS", "Report", "alerts_fired", "badput", "badput_figure",
+           "ettr", "ledger_table", "plot_badput", "summary_table", "write_report"]
 
-# What a failed query raises: Prometheus refused it or could not be reached (ServiceError), or
-# answered something that is not a query result.
-QUERY_ERRORS = (ServiceError, OSError, KeyError, ValueError, IndexError, TypeError)
 
 log = logging.getLogger(__name__)
 
@@ -87,8 +83,10 @@ def badput(stack: DemoStack, errors: list[str]) -> dict[str, float] | None:
     return {c: parts.get(c, 0.0) for c in BADPUT_CAUSES} if parts else None
 
 
-def plot_badput(parts: dict[str, float], path: Path) -> None:
-    """One horizontal bar of the wall time, split into its causes."""
+def badput_figure(parts: dict[str, float], ettr_since_start: float | None = None) -> Any:
+    """One horizontal bar of the wall time, split into its causes, with the legend below the
+    axis label (never over the bar or the label) and ETTR in the title beside the productive
+    share, which it should match."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -98,7 +96,7 @@ def plot_badput(parts: dict[str, float], path: Path) -> None:
     colours = {"productive": "tab:green", "hang": "tab:red", "restart": "tab:orange",
                "recomputed": "tab:purple", "checkpoint": "tab:blue", "evaluation": "tab:cyan",
                "unexplained": "tab:gray"}
-    fig, ax = plt.subplots(figsize=(10, 2.2))
+    fig, ax = plt.subplots(figsize=(10, 2.6), layout="constrained")
     left = 0.0
     for cause in BADPUT_CAUSES:
         width = parts.get(cause, 0.0)
@@ -110,9 +108,21 @@ def plot_badput(parts: dict[str, float], path: Path) -> None:
         left += width
     ax.set_yticks([])
     ax.set_xlabel("seconds of wall time")
-    ax.set_title(f"Where the wall time went ({wall:.0f} s)")
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.45), ncol=4, fontsize="small")
-    fig.tight_layout()
+    productive = parts.get("productive", 0.0) / wall if wall else 0.0
+    title = f"Where the wall time went ({wall:.0f} s): productive {100 * productive:.1f}%"
+    if ettr_since_start is not None:
+        title += f", ETTR {100 * ettr_since_start:.1f}%"
+    ax.set_title(title)
+    fig.legend(loc="outside lower center", ncol=4, fontsize="small")
+    return fig
+
+
+def plot_badput(parts: dict[str, float], path: Path, ettr_since_start: float | None = None
+                ) -> None:
+    """Write `badput_figure` as a PNG."""
+    import matplotlib.pyplot as plt
+
+    fig = badput_figure(parts, ettr_since_start)
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
@@ -266,7 +276,7 @@ def write_report(stack: DemoStack, records: list[FaultRecord], started: float, e
     parts = badput(stack, errors)
     if parts:
         try:
-            plot_badput(parts, out / "badput.png")
+            plot_badput(parts, out / "badput.png", ettr_values["since_start"])
         except Exception as exc:
             log.warning("plot badput.png failed: %s", exc)
     summary = summary_table(records)
@@ -299,8 +309,11 @@ def write_report(stack: DemoStack, records: list[FaultRecord], started: float, e
                   "after the action), and the steps redone.", "", "```", ledger_table(ledger),
                   "```", ""]
     if parts:
-        lines += ["## Badput", "", "Wall time by cause (`run:robust_badput_seconds:total`).",
-                  "", "![badput](badput.png)", ""]
+        wall = sum(parts.values())
+        share = parts.get("productive", 0.0) / wall if wall else None
+        lines += ["## Badput", "", "Wall time by cause (`run:robust_badput_seconds:total`): "
+                  f"productive share {_fmt(share)}, ETTR since start "
+                  f"{_fmt(ettr_values['since_start'])}.", "", "![badput](badput.png)", ""]
     if errors:
         lines += ["## Errors", "", "This report is incomplete:", "",
                   *[f"- {e}" for e in errors], ""]

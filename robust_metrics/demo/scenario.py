@@ -7,13 +7,14 @@ bridge to finish its actions. Every step is recorded as a `FaultRecord` for the 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from robust_metrics.demo.stack import RUN, DemoStack
+from robust_metrics.demo.stack import QUERY_ERRORS, RUN, DemoStack
 
 __all__ = ["FAULTS", "Fault", "FaultRecord", "Scenario", "problems"]
 
@@ -186,3 +187,17 @@ class Scenario:
                 return step
             time.sleep(1)
         return None
+
+    def wait_for_ledger(self, timeout: float = 90.0) -> bool:
+        """Wait until every incident in the bridge's ledger is final (for a restart: recovered,
+        with its lost steps, once the bridge saw a step after it); False when `timeout` passed
+        first (the report then shows what is known)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with contextlib.suppress(*QUERY_ERRORS):
+                entries = self.stack.incidents()
+                if entries and all(e.get("final") for e in entries):
+                    return True
+            time.sleep(1)
+        self.say(f"the incident ledger was not final after {timeout:.0f}s")
+        return False

@@ -23,9 +23,11 @@ import yaml
 from robust_metrics import processes, rules
 from robust_metrics.processes import Service, free_port
 
-__all__ = ["RUN", "DemoStack"]
+__all__ = ["QUERY_ERRORS", "RUN", "DemoStack"]
 
 RUN = "demo"
+QUERY_ERRORS = (processes.ServiceError, OSError, KeyError, ValueError, IndexError, TypeError)
+"""What a failed query to Prometheus or the bridge raises."""
 SCRAPE_SECONDS = 1
 # The shipped rules are written for 15 s scrape and evaluation intervals; the demo runs at 1 s.
 TIME_SCALE = SCRAPE_SECONDS / 15
