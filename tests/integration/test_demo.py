@@ -49,6 +49,16 @@ def test_every_fault_is_detected_acted_on_once_and_the_job_resumes(tmp_path: Pat
     acted = [i for i in incidents if i["alertname"] in ("SlowRank", "RankHang")]
     assert all(i["status"] == "done" for i in acted), acted
     assert report["resumed_from_step"] is not None and report["resumed_from_step"] > 0
+    # the restart's ledger entry is complete: recovered, with its lost steps
+    (hang,) = [e for e in report["ledger"] if e["alertname"] == "RankHang"]
+    assert hang["outcome"] == "recovered" and hang["recover_s"] is not None, hang
+    assert hang["lost_steps"] is not None and hang["lost_steps"] >= 0, hang
+    # ETTR is the breakdown's productive share; the estimate from unique steps x the current
+    # median step time stays near it, though the slow rank makes the step time unsteady
+    parts, ettr = report["badput"], report["ettr"]
+    share = parts["productive"] / sum(parts.values())
+    assert share == pytest.approx(ettr["since_start"], abs=0.02), (parts, ettr)
+    assert ettr["steps_since_start"] == pytest.approx(share, abs=0.05), (parts, ettr)
     assert report["_exit"] == 0, report["_stdout"][-3000:]
 
 
