@@ -23,6 +23,9 @@ stage) scraped every 15 s for 45 minutes:
 |     | process is stopped (state T) |
 | 43- | rank 7's process exits without a normal end (its exit time is published) |
 | 44 | the bridge restarts the run (`robust_bridge_actions_total{action="restart"}`) |
+
+Beside it, run `short` (2 ranks on node 2) steps once a second for 10 minutes and ends normally:
+its ranks close (the sidecar publishes `robust_rank_finished`) and exit a scrape later.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ EXIT_AT, RESTART_AT = 43 * 60, 44 * 60
 SPIKE_RANK, LOSS_SPIKE_AT, NORM_SPIKE_AT = 4, 24 * 60, 24 * 60 + 30
 GPU_FAULT_RANK, GPU_FAULT_AT = 5, 36 * 60
 FLOPS_PER_STEP, PEAK_FLOPS = 4e14, 989e12  # every rank counts model FLOPs; H100 bf16 dense peak
+SHORT_RUN, SHORT_RANKS, SHORT_END = "short", 2, 10 * 60
 
 
 @dataclass
@@ -146,6 +150,35 @@ def _rank_samples(rank: int, s: _Rank, t0: float, elapsed: float
     yield "robust_gpu_xid_errors_total", xid, float(rank == XID_RANK and elapsed >= XID_AT)
 
 
+def _short_run_samples(rank: int, t0: float, elapsed: float
+                       ) -> Iterator[tuple[str, dict[str, str], float | object]]:
+    """Run `short`: a step a second until it ends normally at SHORT_END; its rank's gauges go
+    stale when its process exits a scrape later; its counters stay, as the sidecar keeps a dead
+    process's counters."""
+    base = {"run": SHORT_RUN, "rank": str(rank)}
+    closed, exited = elapsed >= SHORT_END, elapsed >= SHORT_END + SCRAPE_S
+    yield "robust_rank_process_alive", base, 0.0 if exited else 1.0
+    if closed:
+        yield "robust_rank_finished", base, 1.0
+    ran = min(elapsed, SHORT_END)
+    for counter in ("robust_steps_total", "robust_step_duration_seconds_sum",
+                    "robust_step_duration_seconds_count"):
+        yield counter, base, ran
+    if exited and elapsed > SHORT_END + SCRAPE_S:
+        return
+    live: list[tuple[str, dict[str, str], float]] = [
+        ("robust_global_step", base, ran),
+        ("robust_last_step_timestamp_seconds", base, t0 + ran),
+        ("robust_phase", {**base, "phase": "train"}, 1.0),
+        ("robust_rank_info", {**base, "node": "node2", "local_rank": str(rank),
+                              "world_size": str(SHORT_RANKS), "pid": str(2000 + rank),
+                              "dp_rank": str(rank), "pp_rank": "0", "tp_rank": "0"}, 1.0)]
+    if not closed:  # no step age for a rank that closed, as the sidecar does
+        live.append(("robust_rank_step_age_seconds", base, 0.0))
+    for name, labels, value in live:
+        yield name, labels, STALE if exited else value
+
+
 def scenario(t0: float) -> list[Series]:
     """Every input series of the data set, starting at `t0` (seconds), as remote-write series."""
     state = [_Rank(last_step=t0) for _ in range(RANKS)]
@@ -161,12 +194,17 @@ def scenario(t0: float) -> list[Series]:
             for name, labels, value in _rank_samples(rank, s, t0, elapsed):
                 key = tuple(sorted({"__name__": name, **target, **labels}.items()))
                 series.setdefault(key, []).append((ms, value))
+        for rank in range(SHORT_RANKS):
+            target = {"job": "robust-metrics-sidecar", "instance": "node2"}
+            for name, labels, value in _short_run_samples(rank, t0, elapsed):
+                key = tuple(sorted({"__name__": name, **target, **labels}.items()))
+                series.setdefault(key, []).append((ms, value))
         # the bridge restarts the run once its rank 7 has exited
         bridge = {"job": "robust-bridge", "instance": "bridge", "run": RUN, "action": "restart",
                   "result": "success", "__name__": "robust_bridge_actions_total"}
         key = tuple(sorted(bridge.items()))
         series.setdefault(key, []).append((ms, float(elapsed >= RESTART_AT)))
-        for n in range(RANKS // 4):
+        for n in range(RANKS // 4 + 1):
             target = {"job": "robust-metrics-sidecar", "instance": f"node{n}"}
             for name, extra in (("up", {}), ("robust_sidecar_collector_success",
                                              {"collector": "ranks"})):

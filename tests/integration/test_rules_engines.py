@@ -166,7 +166,7 @@ def test_recording_rules_agree(traces: dict[str, object]) -> None:
         if bad:
             label_sets[record] = [round(_minutes(t0, at), 1) for at in bad]
         assert any(keys_p.values()), f"{record} recorded nothing: the comparison proves nothing"
-        worst = 0.0
+        worst, where = 0.0, None
         relative, absolute = RATE_TOLERANCE.get(record, (TOLERANCE, 0.0))
         for i, at in enumerate(times):
             if record in RATE_TOLERANCE and at - t0 < NEW_SERIES_SKIP_S.get(
@@ -176,10 +176,11 @@ def test_recording_rules_agree(traces: dict[str, object]) -> None:
                     if 0 <= j < len(times)]
             for key, a in prom.records[(at, record)].items():
                 diffs = [_excess(a, out[key], absolute) for out in near if key in out]
-                worst = max(worst, min(diffs, default=0.0))
+                if min(diffs, default=0.0) > worst:
+                    worst, where = min(diffs, default=0.0), (round(_minutes(t0, at), 1), key)
         report[record] = worst
         if worst > relative:
-            values[record] = round(worst, 3)
+            values[record] = (round(worst, 3), where)
     print("\n" + "\n".join(f"{name}: max relative difference {diff:.3g}"
                            for name, diff in sorted(report.items())))
     assert not label_sets, f"output series differ (minutes): {label_sets}"
