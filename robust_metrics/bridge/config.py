@@ -230,6 +230,9 @@ _ACTION_OPTIONS: dict[str, dict[str, tuple[str, Any]]] = {
     "checkpoint": {"timeout_s": ("number", 120.0), "at_step": ("int", None),
                    "scheduler": ("scheduler", None)},
     "dump_stacks": {},
+    "selftest": {"scheduler": ("scheduler", None), "quick": ("bool", True),
+                 "checks": ("checks", None), "drain": ("bool", True),
+                 "timeout_s": ("number", 330.0), "min_fraction": ("number", 0.5)},
     "restart": {"scheduler": ("scheduler", None), "checkpoint_first": ("bool", False),
                 "require_checkpoint": ("bool", False), "checkpoint_timeout_s": ("number", 120.0),
                 "notice_timeout_s": ("number", 60.0)},
@@ -238,6 +241,21 @@ _ACTION_OPTIONS: dict[str, dict[str, tuple[str, Any]]] = {
 }
 # The action names, declared once: the keys above (each is a method `_<name>` of bridge.Actions).
 ACTIONS: tuple[str, ...] = tuple(_ACTION_OPTIONS)
+
+
+def _checks(data: Mapping[str, Any], key: str, where: str) -> str | None:
+    """Self-test checks as a list or a comma-separated string, kept as the latter."""
+    from robust_metrics.selftest.api import CHECKS
+
+    value = data.get(key)
+    if value is None:
+        return None
+    names = value.split(",") if isinstance(value, str) else value
+    if not isinstance(names, list) or not names or not all(
+            isinstance(n, str) and n.strip() in CHECKS for n in names):
+        raise ConfigError(f"{where}.{key}: a list of self-test checks ({', '.join(CHECKS)}), "
+                          f"got {value!r}")
+    return ",".join(n.strip() for n in names)
 
 
 def _action(raw: Any, where: str, schedulers: Mapping[str, SchedulerConfig]) -> ActionSpec:
@@ -262,6 +280,8 @@ def _action(raw: Any, where: str, schedulers: Mapping[str, SchedulerConfig]) -> 
             options[key] = _bool(data, key, where, default)
         elif what == "str":
             options[key] = _str(data, key, where, default)
+        elif what == "checks":
+            options[key] = _checks(data, key, where)
         elif what == "scheduler":
             name = _str(data, key, where, default)
             if name is not None and name not in schedulers:
@@ -303,7 +323,9 @@ def _rule(raw: Any, where: str, schedulers: Mapping[str, SchedulerConfig],
     if scheduler is not None and scheduler not in schedulers:
         raise ConfigError(f"{where}.scheduler: no scheduler named {scheduler!r} in `schedulers`")
     needs_scheduler = [a.type for a in actions
-                       if a.type in ("restart", "drain_node") and not a.options.get("scheduler")]
+                       if (a.type in ("restart", "drain_node")
+                           or (a.type == "selftest" and a.options.get("drain")))
+                       and not a.options.get("scheduler")]
     if needs_scheduler and scheduler is None:
         raise ConfigError(f"{where}: action {needs_scheduler[0]} needs a scheduler: define "
                           "`schedulers` and set `scheduler` on the rule or the action")

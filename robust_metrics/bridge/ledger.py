@@ -13,6 +13,10 @@ alert, the ranks and nodes it named (labels and the stack analysis' suspects), a
   `acted` that Prometheus scraped (exact when a scrape falls between the first and the second
   step after the restart; otherwise late by less than one scrape interval);
 - **over-eviction**: the note says how many nodes a drain of every suspect's node took;
+- **self-test**: each tested node's verdict (`pass`, `fail`, `skipped`, `error` for a sidecar
+  that did not answer), its failed checks, why, and whether it was drained (`selftest`); a node
+  that failed is named by the incident, so it counts in the suspect-node score, and a node that
+  passed is not named by the test;
 - **lost steps**: the highest step before the restart minus the step the run resumed from
   (`robust_start_step` of the ranks that stepped after the restart: the hook publishes the
   restored step at `watch()` or `set_step()`, so it does not matter which step a scrape catches).
@@ -31,7 +35,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram
@@ -44,7 +48,7 @@ from robust_metrics.bridge.policy import is_hang
 from robust_metrics.bridge.store import ActionStore, Incident, Step
 
 __all__ = ["Entry", "Ledger", "LedgerMetrics", "Progress", "acted_at", "highest_step", "named",
-           "outcome_of", "over_eviction_note", "progress_after"]
+           "outcome_of", "over_eviction_note", "progress_after", "selftest_verdicts"]
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +75,8 @@ CREATE TABLE IF NOT EXISTS ledger (
     lost_steps INTEGER,
     outcome TEXT NOT NULL,
     note TEXT NOT NULL DEFAULT '',
-    final INTEGER NOT NULL DEFAULT 0
+    final INTEGER NOT NULL DEFAULT 0,
+    selftest TEXT NOT NULL DEFAULT '{}'
 );
 CREATE INDEX IF NOT EXISTS ledger_detected ON ledger(detected);
 """
@@ -96,6 +101,7 @@ class Entry:
     outcome: str
     note: str = ""
     final: bool = False
+    selftest: dict[str, Any] = field(default_factory=dict)
 
     @property
     def detect_s(self) -> float | None:
@@ -149,7 +155,21 @@ def named(incident: Incident, steps: Sequence[Step]) -> tuple[list[str], list[st
                     nodes.add(str(suspect["node"]))
         if step.action == "drain_node" and step.status == "success":
             nodes.update(str(n) for n in step.data.get("nodes") or [])
+    nodes.update(n for n, v in selftest_verdicts(steps).items() if v["verdict"] == "fail")
     return sorted(ranks, key=_rank_key), sorted(nodes)
+
+
+def selftest_verdicts(steps: Sequence[Step]) -> dict[str, dict[str, Any]]:
+    """node -> {verdict, failed, detail, drained} from the incident's last self-test step."""
+    tested = [s for s in steps if s.action == "selftest" and s.data.get("verdicts")]
+    if not tested:
+        return {}
+    data = tested[-1].data
+    drained = data.get("drained") or {}
+    return {str(node): {"verdict": str(v.get("verdict")), "failed": list(v.get("failed") or []),
+                        "detail": str(v.get("detail") or "")[:300],
+                        "drained": bool((drained.get(node) or {}).get("ok"))}
+            for node, v in data["verdicts"].items() if isinstance(v, Mapping)}
 
 
 def acted_at(steps: Sequence[Step]) -> float | None:
@@ -280,6 +300,9 @@ class Ledger:
             for statement in _TABLE.split(";"):
                 if statement.strip():
                     db.execute(statement)
+            columns = {r[1] for r in db.execute("PRAGMA table_info(ledger)")}
+            if "selftest" not in columns:  # a ledger written before self-tests existed
+                db.execute("ALTER TABLE ledger ADD COLUMN selftest TEXT NOT NULL DEFAULT '{}'")
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -334,7 +357,8 @@ class Ledger:
         fault, note = self._fault(incident)
         note = "; ".join(n for n in (note, over_eviction_note(steps)) if n)
         base = Entry(incident.id, incident.run, incident.alertname, ranks, nodes, fault,
-                     incident.received, acted, None, None, None, None, outcome, note)
+                     incident.received, acted, None, None, None, None, outcome, note,
+                     selftest=selftest_verdicts(steps))
         if outcome != "restart" or acted is None:
             return _replace(base, final=True)
         if self.query is None:
@@ -397,6 +421,7 @@ class Ledger:
         row = asdict(entry)
         row["ranks"] = json.dumps(entry.ranks)
         row["nodes"] = json.dumps(entry.nodes)
+        row["selftest"] = json.dumps(entry.selftest)
         row["final"] = int(entry.final)
         cols = ", ".join(row)
         marks = ", ".join("?" * len(row))
@@ -440,5 +465,6 @@ def _row_entry(row: Any) -> Entry:
     data = dict(row)
     data["ranks"] = json.loads(data["ranks"])
     data["nodes"] = json.loads(data["nodes"])
+    data["selftest"] = json.loads(data.get("selftest") or "{}")
     data["final"] = bool(data["final"])
     return Entry(**data)
