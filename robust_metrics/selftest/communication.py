@@ -148,6 +148,8 @@ def _worker(rank: int, world: int, port: int, options: CommunicationOptions,
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    if options.backend == "nccl":
+        torch.cuda.set_device(rank)  # one GPU per local rank
     timeout = datetime.timedelta(seconds=options.timeout_s)
     store = dist.TCPStore("127.0.0.1", port, world + 1, is_master=False, timeout=timeout)
     dist.init_process_group(options.backend, store=store, rank=rank, world_size=world,
@@ -196,6 +198,10 @@ def _in_env_group(options: CommunicationOptions,
     import torch.distributed as dist
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if options.backend == "nccl":
+        import torch
+
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group(options.backend, init_method="env://", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=options.timeout_s))
     try:

@@ -37,30 +37,37 @@ class SelftestOptions:
     inject_fault: str | None = None
 
 
-def _cuda() -> bool:
+def _gpus() -> int:
+    """CUDA devices torch sees (0 without torch or a GPU)."""
     try:
         import torch
     except ImportError:
-        return False
-    return bool(torch.cuda.is_available())
+        return 0
+    return int(torch.cuda.device_count()) if torch.cuda.is_available() else 0
 
 
 def default_options(quick: bool = False) -> dict[str, dict[str, Any]]:
-    """Per-check option defaults: `quick` keeps a prolog within seconds (docs/selftest.md)."""
-    on_gpu = _cuda()
-    local_world = max(2, min(4, os.cpu_count() or 2))
+    """Per-check option defaults: `quick` keeps a prolog within seconds (docs/selftest.md).
+
+    With GPUs the compute check multiplies on GPU 0 and, with two or more GPUs, the local
+    communication group is one NCCL rank per GPU; otherwise gloo ranks on the CPU cores."""
+    gpus = _gpus()
+    device = "cuda" if gpus else "cpu"
+    nccl = gpus >= 2
+    local_world = gpus if nccl else max(2, min(4, os.cpu_count() or 2))
+    backend = "nccl" if nccl else "gloo"
     if quick:
-        return {"compute": {"size": 4096 if on_gpu else 384, "repeats": 3,
-                            "device": "cuda" if on_gpu else "cpu"},
+        return {"compute": {"size": 4096 if gpus else 384, "repeats": 3, "device": device},
                 "memory": {"size_bytes": 32 << 20},
-                "communication": {"world_size": 2, "size_bytes": 1 << 20, "iterations": 3,
-                                  "timeout_s": 30.0, "backend": "nccl" if on_gpu else "gloo"},
+                "communication": {"world_size": local_world if nccl else 2,
+                                  "size_bytes": (64 << 20) if nccl else (1 << 20),
+                                  "iterations": 3, "timeout_s": 30.0, "backend": backend},
                 "gpu": {"xid_wait_s": 0.1}}
-    return {"compute": {"size": 8192 if on_gpu else 1024, "repeats": 5,
-                        "device": "cuda" if on_gpu else "cpu"},
+    return {"compute": {"size": 8192 if gpus else 1024, "repeats": 5, "device": device},
             "memory": {"size_bytes": 256 << 20},
-            "communication": {"world_size": local_world, "size_bytes": 16 << 20,
-                              "iterations": 5, "backend": "nccl" if on_gpu else "gloo"},
+            "communication": {"world_size": local_world,
+                              "size_bytes": (256 << 20) if nccl else (16 << 20),
+                              "iterations": 5, "backend": backend},
             "gpu": {"xid_wait_s": 0.5}}
 
 
