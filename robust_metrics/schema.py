@@ -183,6 +183,13 @@ NONFINITE_LOSS = _declare(
 NONFINITE_GRAD = _declare(
     "robust_nonfinite_grad_steps_total", C, "Steps whose gradient norm was NaN or infinite."
 )
+NONFINITE_FIRST_STEP = _declare(
+    "robust_nonfinite_first_step", G,
+    "Global step of this rank process's first step whose loss or gradient norm was NaN or "
+    "infinite. After a restart from a checkpoint the same step comes again: a non-finite value "
+    "there again follows the data or the model (persistent), none follows the machine "
+    "(transient). Appears at that step.", on_event=True,
+)
 SKIPPED_STEPS = _declare(
     "robust_skipped_steps_total", C,
     "Steps whose update the GradScaler skipped because its scaled gradients overflowed (inf or "

@@ -76,6 +76,7 @@ class Watch:
         self.optimizer = optimizer
         self.store = MetricStore({"run": options.run, "rank": str(options.rank)})
         self.global_step = options.start_step
+        self._nonfinite_step: int | None = None  # see _first_nonfinite
         self._closed = False
         self._logged_errors: set[str] = set()
         self._handles: list[Any] = []
@@ -411,33 +412,44 @@ class Watch:
         return self.tracker.timer.step_end(host_seconds)
 
     def _submit_numerics(self) -> None:
+        # The values are read a step late on GPUs: each carries the step it belongs to.
+        step = self.global_step
         taken = self._losses.take()
         if taken is not None:
             total, count = taken  # divided on the host once read: no extra tensor op per step
             if hasattr(total, "detach"):
-                self._reader.submit(total, lambda value: self._record_loss(value / count))
+                self._reader.submit(total, lambda value: self._record_loss(value / count, step))
             else:
-                self._record_loss(float(total) / count)
+                self._record_loss(float(total) / count, step)
         norm, self._grad_norm_from_clip = self._grad_norm_from_clip, None
         if norm is not None and not self._skipping:  # an overflow the scaler skipped: not NaN
             if hasattr(norm, "detach"):
-                self._reader.submit(norm, self._record_grad_norm)
+                self._reader.submit(norm, lambda value: self._record_grad_norm(value, step))
             else:
-                self._record_grad_norm(float(norm))
+                self._record_grad_norm(float(norm), step)
 
-    def _record_loss(self, value: float) -> None:
+    def _record_loss(self, value: float, step: int) -> None:
         self.store.series(schema.LOSS, initial=value).set(value)
         if not is_finite(value):
             self._nonfinite_loss.inc()
+            self._first_nonfinite(step)
         elif self._loss_spikes.update(value):  # created at the first spike: no series budget
             self.store.series(schema.LOSS_SPIKES).inc()
 
-    def _record_grad_norm(self, value: float) -> None:
+    def _record_grad_norm(self, value: float, step: int) -> None:
         self.store.series(schema.GRAD_NORM, initial=value).set(value)
         if not is_finite(value):
             self._nonfinite_grad.inc()
+            self._first_nonfinite(step)
         elif self._grad_norm_spikes.update(value):
             self.store.series(schema.GRAD_NORM_SPIKES).inc()
+
+    def _first_nonfinite(self, step: int) -> None:
+        """Name the step of this process's first non-finite value, once: the bridge compares it
+        with the step where it recurs, or not, after a restart from a checkpoint."""
+        if self._nonfinite_step is None or step < self._nonfinite_step:
+            self._nonfinite_step = step
+            self.store.series(schema.NONFINITE_FIRST_STEP).set(step)
 
     def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
         if phase == "start":
