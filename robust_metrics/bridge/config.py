@@ -145,7 +145,9 @@ class IncidentsConfig:
     run shows no step this long after its action is entered as not recovered; `node_window_s`:
     the window of the per-node incident count; `node_alert`: the alert that flags a node (its own
     incidents are not counted); `over_eviction`: a hang that names several suspect ranks drains
-    every node holding one; `poll_s`: how often the ledger looks for finished incidents.
+    every node holding one; `poll_s`: how often the ledger looks for finished incidents;
+    `nan_alert_re`: the alerts of non-finite values, whose restarts the ledger follows to a
+    transient or persistent verdict (`bridge.numerics`).
     """
 
     crash_loop_restarts: int = 3
@@ -155,6 +157,7 @@ class IncidentsConfig:
     node_alert: str = "SuspectNode"
     over_eviction: bool = False
     poll_s: float = 5.0
+    nan_alert_re: re.Pattern[str] = re.compile(r"NonFinite.*")
 
 
 @dataclass(frozen=True)
@@ -354,8 +357,13 @@ def _duration(value: Any, where: str) -> float:
 def _incidents(raw: Any) -> IncidentsConfig:
     data = _mapping(raw, "incidents")
     _only(data, {"crash_loop_restarts", "lookback", "recover_timeout", "node_window",
-                 "node_alert", "over_eviction", "poll"}, "incidents")
+                 "node_alert", "over_eviction", "poll", "nan_alert_re"}, "incidents")
     d = IncidentsConfig()
+    nan_re = _str(data, "nan_alert_re", "incidents", d.nan_alert_re.pattern) or ""
+    try:
+        nan_pattern = re.compile(nan_re)
+    except re.error as exc:
+        raise ConfigError(f"incidents.nan_alert_re: bad regular expression: {exc}") from None
     out = IncidentsConfig(
         crash_loop_restarts=int(_num(data, "crash_loop_restarts", "incidents",
                                      d.crash_loop_restarts, integer=True)),
@@ -367,6 +375,7 @@ def _incidents(raw: Any) -> IncidentsConfig:
         node_alert=_str(data, "node_alert", "incidents", d.node_alert) or d.node_alert,
         over_eviction=_bool(data, "over_eviction", "incidents"),
         poll_s=_duration(data.get("poll", d.poll_s), "incidents.poll"),
+        nan_alert_re=nan_pattern,
     )
     for name in ("lookback_s", "node_window_s", "poll_s"):
         if getattr(out, name) <= 0:

@@ -17,6 +17,13 @@ alert, the ranks and nodes it named (labels and the stack analysis' suspects), a
   that did not answer), its failed checks, why, and whether it was drained (`selftest`); a node
   that failed is named by the incident, so it counts in the suspect-node score, and a node that
   passed is not named by the test;
+- **numerics**: for an incident of a non-finite value (`incidents.nan_alert_re`) that was
+  restarted, the verdict of `bridge.numerics` once the run meets the bad step again:
+  `persistent` (it came back at the same step: the data or the model; the bridge stops
+  restarting the run and notifies), `transient` (the run passed the step cleanly: the machine;
+  the node of the first reporting rank is named, a suspect mark, and gets a compute self-test),
+  `recurred_elsewhere`, or `undecided` when the run did not get there in time; with the step,
+  the first reporting rank and its node;
 - **lost steps**: the highest step before the restart minus the step the run resumed from
   (`robust_start_step` of the ranks that stepped after the restart: the hook publishes the
   restored step at `watch()` or `set_step()`, so it does not matter which step a scrape catches).
@@ -43,12 +50,14 @@ from prometheus_client import Counter, Gauge, Histogram
 from robust_metrics import schema
 from robust_metrics.bridge.config import BridgeConfig
 from robust_metrics.bridge.metrics import BridgeMetrics
+from robust_metrics.bridge.numerics import NanEvidence, first_report, nan_verdict
 from robust_metrics.bridge.payload import parse_time
 from robust_metrics.bridge.policy import is_hang
 from robust_metrics.bridge.store import ActionStore, Incident, Step
 
 __all__ = ["Entry", "Ledger", "LedgerMetrics", "Progress", "acted_at", "highest_step", "named",
-           "outcome_of", "over_eviction_note", "progress_after", "selftest_verdicts"]
+           "outcome_of", "over_eviction_note", "persistent_finding", "progress_after",
+           "selftest_verdicts"]
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +67,9 @@ LAST_STEP = schema.LAST_STEP_TIMESTAMP.name
 GLOBAL_STEP = schema.GLOBAL_STEP.name
 EXIT_STEP = schema.RANK_EXIT_GLOBAL_STEP.name
 START_STEP = schema.START_STEP.name
+NAN_STEP = schema.NONFINITE_FIRST_STEP.name
+NAN_COUNTERS = (schema.NONFINITE_LOSS.name, schema.NONFINITE_GRAD.name)
+RANK_INFO = schema.RANK_INFO.name
 
 _TABLE = """
 CREATE TABLE IF NOT EXISTS ledger (
@@ -76,7 +88,8 @@ CREATE TABLE IF NOT EXISTS ledger (
     outcome TEXT NOT NULL,
     note TEXT NOT NULL DEFAULT '',
     final INTEGER NOT NULL DEFAULT 0,
-    selftest TEXT NOT NULL DEFAULT '{}'
+    selftest TEXT NOT NULL DEFAULT '{}',
+    numerics TEXT NOT NULL DEFAULT '{}'
 );
 CREATE INDEX IF NOT EXISTS ledger_detected ON ledger(detected);
 """
@@ -102,6 +115,7 @@ class Entry:
     note: str = ""
     final: bool = False
     selftest: dict[str, Any] = field(default_factory=dict)
+    numerics: dict[str, Any] = field(default_factory=dict)
 
     @property
     def detect_s(self) -> float | None:
@@ -301,8 +315,20 @@ class Ledger:
                 if statement.strip():
                     db.execute(statement)
             columns = {r[1] for r in db.execute("PRAGMA table_info(ledger)")}
-            if "selftest" not in columns:  # a ledger written before self-tests existed
-                db.execute("ALTER TABLE ledger ADD COLUMN selftest TEXT NOT NULL DEFAULT '{}'")
+            for column in ("selftest", "numerics"):  # a ledger written before they existed
+                if column not in columns:
+                    db.execute(f"ALTER TABLE ledger ADD COLUMN {column} TEXT NOT NULL "
+                               "DEFAULT '{}'")
+            rows = db.execute("SELECT run, numerics FROM ledger WHERE numerics LIKE "
+                              "'%persistent%' ORDER BY incident_id").fetchall()
+        self._persistent: dict[str, str] = {}  # run -> finding, read by the engine's decisions
+        self._persistent_lock = threading.Lock()
+        for run, numerics in rows:
+            finding = json.loads(numerics)
+            if finding.get("verdict") == "persistent":
+                self._persistent[run] = persistent_finding(finding)
+        # called once per verdict (the service notifies or runs a self-test); its answer is kept
+        self.on_nan_verdict: Callable[[Entry], Mapping[str, Any]] | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -375,9 +401,76 @@ class Ledger:
         lost = None
         if highest is not None and progress.resumed_step is not None:
             lost = int(max(0.0, highest - progress.resumed_step))
-        return _replace(base, outcome="recovered", recovered=progress.recovered,
-                        highest_step=highest, resumed_step=progress.resumed_step,
-                        lost_steps=lost, final=True)
+        entry = _replace(base, outcome="recovered", recovered=progress.recovered,
+                         highest_step=highest, resumed_step=progress.resumed_step,
+                         lost_steps=lost, final=True)
+        if self.config.incidents.nan_alert_re.fullmatch(incident.alertname):
+            entry = self._numerics(entry, incident, acted, now)
+        return entry
+
+    # ------------------------------------------------------------------ non-finite values
+    def persistent_nan(self, run: str) -> str | None:
+        """The ledger's finding that the run's non-finite value persists, or None."""
+        with self._persistent_lock:
+            return self._persistent.get(run)
+
+    def _nan_evidence(self, incident: Incident, acted: float, now: float,
+                      ) -> tuple[NanEvidence, str | None]:
+        """What Prometheus shows of the bad step before the restart and of the run after it,
+        and the node of the first reporting rank."""
+        sel = _sel(incident.run)
+        before = {r["metric"].get("rank", ""): float(r["value"][1]) for r in self.query_at(
+            f"min by (rank) ({NAN_STEP}{sel})", incident.received) if "value" in r}
+        first = first_report(before)
+        if first is None:
+            return NanEvidence(None, None, None, None), None
+        rank, step = first
+        rank_sel = sel[:-1] + ', rank="' + rank.replace("\\", "\\\\").replace('"', '\\"') + '"}'
+        node = next((r["metric"].get("node") for r in self.query_at(
+            f"max by (node) ({RANK_INFO}{rank_sel})", incident.received)), None)
+        span = f"{max(1.0, now - acted):.0f}s"
+        grew = " or ".join(f"(increase({c}{sel}[{span}]) > 0)" for c in NAN_COUNTERS)
+        recurred = _min(self.query_at(f"min({NAN_STEP}{sel} and on (run, rank) ({grew}))",
+                                      now))
+        after = _scalar(self.query_at(
+            f"max({GLOBAL_STEP}{sel} and on (run, rank) ({LAST_STEP}{sel} > {acted:.3f}))",
+            now))
+        return NanEvidence(step, rank, recurred, after), node
+
+    def _numerics(self, entry: Entry, incident: Incident, acted: float, now: float) -> Entry:
+        """Hold a recovered NaN incident open until the run meets the bad step again."""
+        read = self._read(lambda: self._nan_evidence(incident, acted, now))
+        if read is None:  # Prometheus away: try again at the next pass
+            return _replace(entry, final=False)
+        evidence, node = read
+        verdict = nan_verdict(evidence)
+        if verdict is None and evidence.step is not None and \
+                now - acted <= self.config.incidents.recover_timeout_s:
+            return _replace(entry, final=False)
+        finding: dict[str, Any] = {
+            "verdict": verdict or ("undecided" if evidence.step is not None else "unknown"),
+            "step": evidence.step, "rank": evidence.rank, "node": node,
+            "recurred_step": evidence.recurred_step}
+        nodes = entry.nodes
+        if verdict == "transient" and node:  # the suspect mark: the incident names the node
+            nodes = sorted({*nodes, node})
+        if verdict == "persistent":
+            with self._persistent_lock:
+                self._persistent[incident.run] = persistent_finding(finding)
+        entry = _replace(entry, numerics=finding, nodes=nodes,
+                         note="; ".join(n for n in (entry.note, _nan_note(finding)) if n))
+        return self._after_verdict(entry) if verdict else entry
+
+    def _after_verdict(self, entry: Entry) -> Entry:
+        if self.on_nan_verdict is None:
+            return entry
+        try:
+            extra = dict(self.on_nan_verdict(entry))
+        except Exception as exc:  # a failed notification must not lose the verdict
+            log.exception("acting on the NaN verdict of incident %d failed", entry.incident_id)
+            extra = {"error": repr(exc)}
+        selftest = {**entry.selftest, **dict(extra.pop("selftest", {}) or {})}
+        return _replace(entry, selftest=selftest, numerics={**entry.numerics, **extra})
 
     def query_at(self, promql: str, at: float | None) -> list[dict[str, Any]]:
         assert self.query is not None
@@ -422,6 +515,7 @@ class Ledger:
         row["ranks"] = json.dumps(entry.ranks)
         row["nodes"] = json.dumps(entry.nodes)
         row["selftest"] = json.dumps(entry.selftest)
+        row["numerics"] = json.dumps(entry.numerics)
         row["final"] = int(entry.final)
         cols = ", ".join(row)
         marks = ", ".join("?" * len(row))
@@ -457,6 +551,34 @@ class Ledger:
         return counts
 
 
+def _min(result: list[dict[str, Any]]) -> float | None:
+    values = [float(r["value"][1]) for r in result if "value" in r]
+    return min(values) if values else None
+
+
+def persistent_finding(finding: Mapping[str, Any]) -> str:
+    """The sentence a refused restart and its notification carry."""
+    step, rank = finding.get("step"), finding.get("rank")
+    return (f"the non-finite value came back at step {step:.0f} (first on rank {rank}) after "
+            "a restart from a checkpoint" if step is not None else
+            "the non-finite value came back at the same step after a restart")
+
+
+def _nan_note(finding: Mapping[str, Any]) -> str:
+    verdict, step, rank = finding["verdict"], finding.get("step"), finding.get("rank")
+    where = f"step {step:.0f}, first on rank {rank}" if step is not None else "step unknown"
+    where += f" (node {finding['node']})" if finding.get("node") else ""
+    return {"persistent": f"non-finite value persistent at {where}: it follows the data or the "
+                          "model; restarts stopped",
+            "transient": f"non-finite value transient at {where}: the run passed the step "
+                         "cleanly after the restart; the node is suspect",
+            "recurred_elsewhere": f"non-finite value at {where} came back at an earlier step "
+                                  f"({finding.get('recurred_step')})",
+            "undecided": f"non-finite value at {where}: the run did not reach the step again "
+                         "within incidents.recover_timeout",
+            }.get(verdict, "non-finite value: no robust_nonfinite_first_step in Prometheus")
+
+
 def _replace(entry: Entry, **changes: Any) -> Entry:
     return Entry(**{**asdict(entry), **changes})
 
@@ -466,5 +588,6 @@ def _row_entry(row: Any) -> Entry:
     data["ranks"] = json.loads(data["ranks"])
     data["nodes"] = json.loads(data["nodes"])
     data["selftest"] = json.loads(data.get("selftest") or "{}")
+    data["numerics"] = json.loads(data.get("numerics") or "{}")
     data["final"] = bool(data["final"])
     return Entry(**data)
