@@ -101,10 +101,17 @@ def test_judge_names_the_rank_in_every_slow_pair() -> None:
     problems, culprits = communication.judge(result, options, None)
     assert culprits == [2]
     assert problems[0] == "rank 2 (n2) is in every slow pair"
-    # one rank per node: node of rank 1 only owns its slow pair, node of rank 0 its own too,
-    # but only rank 2's node is named the culprit
-    mine, _ = communication.judge(result, options, 1)
-    assert len(mine) == 1 and "rank 1 (n1) - rank 2 (n2)" in mine[0]
+    # one rank per node: the culprit's node answers for its slow pairs, its partners do not
+    assert communication.judge(result, options, 1) == ([], [2])
+    assert communication.judge(result, options, 0) == ([], [2])
+    mine, _ = communication.judge(result, options, 2)
+    assert len(mine) == 3 and "rank 1 (n1) - rank 2 (n2)" in mine[1]
+    # one slow pair and no culprit: both of its ends are blamed
+    alone = _pairs(4e9, 1e9, 4e9)
+    alone["pairs"][2]["ranks"] = [0, 2]
+    assert communication.judge(alone, options, 0)[0] == []
+    assert len(communication.judge(alone, options, 1)[0]) == 1
+    assert len(communication.judge(alone, options, 2)[0]) == 1
     assert communication.judge(_pairs(4e9, 3e9, 3.5e9), options, None) == ([], [])
 
 
@@ -261,3 +268,40 @@ def test_the_help_names_every_check(capsys: pytest.CaptureFixture[str]) -> None:
     for word in ("--quick", "compute", "memory", "communication", "gpu", "--expect-digest",
                  "MASTER_ADDR"):
         assert word in text
+
+
+def test_one_rank_per_node_from_the_environment_blames_only_the_slow_node(tmp_path: Path) -> None:
+    """Three `robust-metrics selftest --check communication` processes joined as a multi-node
+    group through MASTER_ADDR/WORLD_SIZE/RANK, as a prolog on three nodes would run them; rank 2
+    has a slowed link: only its process fails, and every process names it."""
+    import os
+    import subprocess
+
+    from tests.support import ROOT, free_port
+
+    port = str(free_port())
+    procs = []
+    for rank in range(3):
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": "3",
+               "RANK": str(rank), "OMP_NUM_THREADS": "1",
+               "ROBUST_SELFTEST_FAULT": "communication:rank=2;delay=0.5"}
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "robust_metrics", "selftest", "--check", "communication",
+             "--json", "--node", f"node{rank}", "--comm-bytes", "262144", "--iterations", "2",
+             "--min-pair-fraction", "0.02", "--comm-timeout", "60"],
+            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    try:
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    reports = [json.loads(out) for out, _ in outs]
+    assert [p.returncode for p in procs] == [0, 0, 1], [err[-500:] for _, err in outs]
+    for rank, report in enumerate(reports):
+        (result,) = report["results"]
+        assert result["data"]["rank"] == rank
+        assert result["data"]["nodes"] == ["node0", "node1", "node2"]
+        assert result["data"]["culprit_ranks"] == [2]
+    assert reports[2]["results"][0]["detail"].startswith("rank 2 (node2) is in every slow pair")

@@ -213,7 +213,8 @@ def _in_env_group(options: CommunicationOptions,
 def judge(result: Mapping[str, Any], options: CommunicationOptions,
           own_rank: int | None) -> tuple[list[str], list[int]]:
     """Problems found and the ranks to blame. With `own_rank` (one rank per node) only the
-    problems that involve that rank, or the whole group, are this node's."""
+    problems of that rank, or of the whole group, are this node's: a slow pair is its culprit's
+    when a rank is in every slow pair, else both its ends'."""
     problems, culprits = [], []
     bus = float(result["bus_bandwidth"])
     if options.min_bus_bandwidth and bus < options.min_bus_bandwidth:
@@ -227,7 +228,9 @@ def judge(result: Mapping[str, Any], options: CommunicationOptions,
         culprits = sorted(common) if len(common) == 1 else []
     nodes = result["nodes"]
     for p in slow:
-        if own_rank is not None and own_rank not in p["ranks"]:
+        # a named culprit answers for its pairs; without one, each end of a slow pair does
+        blamed = set(p["ranks"]) & set(culprits) if culprits else set(p["ranks"])
+        if own_rank is not None and own_rank not in blamed:
             continue
         a, b = p["ranks"]
         problems.append(f"pair rank {a} ({nodes[a]}) - rank {b} ({nodes[b]}): "
