@@ -5,6 +5,7 @@ rank's link, NVML answers)."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -274,7 +275,6 @@ def test_one_rank_per_node_from_the_environment_blames_only_the_slow_node(tmp_pa
     """Three `robust-metrics selftest --check communication` processes joined as a multi-node
     group through MASTER_ADDR/WORLD_SIZE/RANK, as a prolog on three nodes would run them; rank 2
     has a slowed link: only its process fails, and every process names it."""
-    import os
     import subprocess
 
     from tests.support import ROOT, free_port
@@ -305,3 +305,23 @@ def test_one_rank_per_node_from_the_environment_blames_only_the_slow_node(tmp_pa
         assert result["data"]["nodes"] == ["node0", "node1", "node2"]
         assert result["data"]["culprit_ranks"] == [2]
     assert reports[2]["results"][0]["detail"].startswith("rank 2 (node2) is in every slow pair")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the prolog runs as root (install -o root)")
+@pytest.mark.parametrize(("fault", "code"), [("", 0), ("memory", 1), ("nope", 0)])
+def test_the_slurm_prolog_fails_only_on_a_failed_check(tmp_path: Path, fault: str,
+                                                        code: int) -> None:
+    """A failed check fails the prolog (Slurm drains the node); a self-test that cannot run
+    (here: an unknown fault, exit 2) lets the job go ahead."""
+    import subprocess
+
+    from tests.support import ROOT
+
+    env = {**os.environ, "ROBUST_METRICS_DIR": str(tmp_path / "rm"), "SLURM_JOB_ID": "42",
+           "ROBUST_SELFTEST_FAULT": fault,
+           "ROBUST_METRICS_SELFTEST": f"{sys.executable} -m robust_metrics selftest --quick "
+                                      "--check memory --memory-bytes 65536"}
+    done = subprocess.run(["bash", str(ROOT / "exporters" / "slurm" / "prolog.sh")], env=env,
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == code, done.stderr
+    assert ("node self-test failed" in done.stderr) == (code == 1)
