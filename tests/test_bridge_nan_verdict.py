@@ -75,6 +75,7 @@ class FakePrometheus:
         self.acted = acted
         self.recurred: float | None = None
         self.step_after = 110.0
+        self.loss_ranks = True
 
     def __call__(self, promql: str, at: float | None) -> list[dict[str, Any]]:
         def value(v: float, **metric: str) -> dict[str, Any]:
@@ -82,10 +83,11 @@ class FakePrometheus:
 
         if promql.startswith("min by (rank) (robust_nonfinite_first_step"):
             assert at is not None and at < self.acted  # read as it was before the restart
-            return [value(121, rank="0"), value(120, rank="1")]
+            if "robust_nonfinite_loss_steps_total" in promql:  # the ranks with a NaN loss
+                return [value(120, rank="1")] if self.loss_ranks else []
+            return [value(120, rank="0"), value(120, rank="1")]  # gradients: every rank
         if promql.startswith("max by (node) (robust_rank_info"):
-            assert 'rank="1"' in promql
-            return [value(1, node="n2")]
+            return [value(1, node="n2" if 'rank="1"' in promql else "n1")]
         if promql.startswith("min(robust_nonfinite_first_step"):
             assert "increase(robust_nonfinite_loss_steps_total" in promql
             return [] if self.recurred is None else [value(self.recurred, rank="1")]
@@ -167,6 +169,15 @@ def test_a_run_that_passes_the_step_cleanly_makes_it_transient(tmp_path: Path) -
     assert ledger.persistent_nan("r1") is None
     assert ledger.node_counts(T0 + 60) == {"n2": 1}
     assert len(called) == 1
+
+
+def test_without_a_non_finite_loss_the_lowest_rank_with_the_step_is_first(
+        tmp_path: Path) -> None:
+    ledger, prom, _ = _ledger(tmp_path)
+    prom.loss_ranks, prom.step_after = False, 122.0
+    (entry,) = ledger.step(now=T0 + 60)
+    assert (entry.numerics["rank"], entry.numerics["step"]) == ("0", 120.0)
+    assert entry.numerics["node"] == "n1"
 
 
 def test_a_run_that_never_gets_back_to_the_step_is_undecided(tmp_path: Path) -> None:

@@ -419,9 +419,15 @@ class Ledger:
         """What Prometheus shows of the bad step before the restart and of the run after it,
         and the node of the first reporting rank."""
         sel = _sel(incident.run)
-        before = {r["metric"].get("rank", ""): float(r["value"][1]) for r in self.query_at(
-            f"min by (rank) ({NAN_STEP}{sel})", incident.received) if "value" in r}
-        first = first_report(before)
+        # After the all-reduce every rank has the non-finite gradients: a rank whose own loss
+        # was non-finite is where it began, when there is one.
+        first = None
+        for only in (f" and on (run, rank) ({NAN_COUNTERS[0]}{sel} > 0)", ""):
+            before = {r["metric"].get("rank", ""): float(r["value"][1]) for r in self.query_at(
+                f"min by (rank) ({NAN_STEP}{sel}{only})", incident.received) if "value" in r}
+            first = first_report(before)
+            if first is not None:
+                break
         if first is None:
             return NanEvidence(None, None, None, None), None
         rank, step = first
