@@ -190,6 +190,12 @@ NONFINITE_FIRST_STEP = _declare(
     "there again follows the data or the model (persistent), none follows the machine "
     "(transient). Appears at that step.", on_event=True,
 )
+NONFINITE_FIRST_BATCH = _declare(
+    "robust_nonfinite_first_batch", G,
+    "Position of the batch of robust_nonfinite_first_step, as watch()'s batch_position callable "
+    "returned it (a sample offset, say). Published only with batch_position, at that step.",
+    default_on=False, on_event=True,
+)
 SKIPPED_STEPS = _declare(
     "robust_skipped_steps_total", C,
     "Steps whose update the GradScaler skipped because its scaled gradients overflowed (inf or "

@@ -88,6 +88,9 @@ class FakePrometheus:
             return [value(120, rank="0"), value(120, rank="1")]  # gradients: every rank
         if promql.startswith("max by (node) (robust_rank_info"):
             return [value(1, node="n2" if 'rank="1"' in promql else "n1")]
+        if promql.startswith("max(robust_nonfinite_first_batch"):
+            assert at is not None and at < self.acted
+            return [value(1920)] if 'rank="1"' in promql else []  # rank 1's batch position
         if promql.startswith("min(robust_nonfinite_first_step"):
             assert "increase(robust_nonfinite_loss_steps_total" in promql
             return [] if self.recurred is None else [value(self.recurred, rank="1")]
@@ -144,8 +147,8 @@ def test_a_nan_at_the_same_step_after_the_restart_is_persistent(tmp_path: Path) 
     prom.recurred, prom.step_after = 120.0, 121.0
     (entry,) = ledger.step(now=T0 + 60)
     assert entry.numerics == {"verdict": "persistent", "step": 120.0, "rank": "1", "node": "n2",
-                              "recurred_step": 120.0, "notified": "sent"}
-    assert "persistent at step 120, first on rank 1 (node n2)" in entry.note
+                              "batch": 1920.0, "recurred_step": 120.0, "notified": "sent"}
+    assert "persistent at step 120, first on rank 1 (node n2), batch 1920" in entry.note
     assert "restarts stopped" in entry.note
     assert entry.nodes == []  # the data or the model: no node is blamed
     assert ledger.persistent_nan("r1") == ("the non-finite value came back at step 120 (first "
@@ -177,7 +180,7 @@ def test_without_a_non_finite_loss_the_lowest_rank_with_the_step_is_first(
     prom.loss_ranks, prom.step_after = False, 122.0
     (entry,) = ledger.step(now=T0 + 60)
     assert (entry.numerics["rank"], entry.numerics["step"]) == ("0", 120.0)
-    assert entry.numerics["node"] == "n1"
+    assert entry.numerics["node"] == "n1" and entry.numerics["batch"] is None
 
 
 def test_a_run_that_never_gets_back_to_the_step_is_undecided(tmp_path: Path) -> None:

@@ -68,6 +68,7 @@ GLOBAL_STEP = schema.GLOBAL_STEP.name
 EXIT_STEP = schema.RANK_EXIT_GLOBAL_STEP.name
 START_STEP = schema.START_STEP.name
 NAN_STEP = schema.NONFINITE_FIRST_STEP.name
+NAN_BATCH = schema.NONFINITE_FIRST_BATCH.name
 NAN_COUNTERS = (schema.NONFINITE_LOSS.name, schema.NONFINITE_GRAD.name)
 RANK_INFO = schema.RANK_INFO.name
 
@@ -415,9 +416,9 @@ class Ledger:
             return self._persistent.get(run)
 
     def _nan_evidence(self, incident: Incident, acted: float, now: float,
-                      ) -> tuple[NanEvidence, str | None]:
+                      ) -> tuple[NanEvidence, dict[str, Any]]:
         """What Prometheus shows of the bad step before the restart and of the run after it,
-        and the node of the first reporting rank."""
+        and the node of the first reporting rank and its batch position (when published)."""
         sel = _sel(incident.run)
         # After the all-reduce every rank has the non-finite gradients: a rank whose own loss
         # was non-finite is where it began, when there is one.
@@ -429,11 +430,12 @@ class Ledger:
             if first is not None:
                 break
         if first is None:
-            return NanEvidence(None, None, None, None), None
+            return NanEvidence(None, None, None, None), {}
         rank, step = first
         rank_sel = sel[:-1] + ', rank="' + rank.replace("\\", "\\\\").replace('"', '\\"') + '"}'
-        node = next((r["metric"].get("node") for r in self.query_at(
-            f"max by (node) ({RANK_INFO}{rank_sel})", incident.received)), None)
+        where = {"node": next((r["metric"].get("node") for r in self.query_at(
+            f"max by (node) ({RANK_INFO}{rank_sel})", incident.received)), None),
+            "batch": _scalar(self.query_at(f"max({NAN_BATCH}{rank_sel})", incident.received))}
         span = f"{max(1.0, now - acted):.0f}s"
         grew = " or ".join(f"(increase({c}{sel}[{span}]) > 0)" for c in NAN_COUNTERS)
         recurred = _min(self.query_at(f"min({NAN_STEP}{sel} and on (run, rank) ({grew}))",
@@ -441,14 +443,15 @@ class Ledger:
         after = _scalar(self.query_at(
             f"max({GLOBAL_STEP}{sel} and on (run, rank) ({LAST_STEP}{sel} > {acted:.3f}))",
             now))
-        return NanEvidence(step, rank, recurred, after), node
+        return NanEvidence(step, rank, recurred, after), where
 
     def _numerics(self, entry: Entry, incident: Incident, acted: float, now: float) -> Entry:
         """Hold a recovered NaN incident open until the run meets the bad step again."""
         read = self._read(lambda: self._nan_evidence(incident, acted, now))
         if read is None:  # Prometheus away: try again at the next pass
             return _replace(entry, final=False)
-        evidence, node = read
+        evidence, where = read
+        node = where.get("node")
         verdict = nan_verdict(evidence)
         if verdict is None and evidence.step is not None and \
                 now - acted <= self.config.incidents.recover_timeout_s:
@@ -456,7 +459,7 @@ class Ledger:
         finding: dict[str, Any] = {
             "verdict": verdict or ("undecided" if evidence.step is not None else "unknown"),
             "step": evidence.step, "rank": evidence.rank, "node": node,
-            "recurred_step": evidence.recurred_step}
+            "batch": where.get("batch"), "recurred_step": evidence.recurred_step}
         nodes = entry.nodes
         if verdict == "transient" and node:  # the suspect mark: the incident names the node
             nodes = sorted({*nodes, node})
@@ -574,6 +577,7 @@ def _nan_note(finding: Mapping[str, Any]) -> str:
     verdict, step, rank = finding["verdict"], finding.get("step"), finding.get("rank")
     where = f"step {step:.0f}, first on rank {rank}" if step is not None else "step unknown"
     where += f" (node {finding['node']})" if finding.get("node") else ""
+    where += f", batch {finding['batch']:.0f}" if finding.get("batch") is not None else ""
     return {"persistent": f"non-finite value persistent at {where}: it follows the data or the "
                           "model; restarts stopped",
             "transient": f"non-finite value transient at {where}: the run passed the step "

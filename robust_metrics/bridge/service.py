@@ -58,7 +58,8 @@ class Bridge:
                        "message": f"run {entry.run}: {persistent_finding(finding)}; the bridge "
                                   "stops restarting it: the data or the model is at fault",
                        "step": finding.get("step"), "rank": finding.get("rank"),
-                       "node": finding.get("node"), "verdict": "persistent"}
+                       "node": finding.get("node"), "batch": finding.get("batch"),
+                       "verdict": "persistent"}
             result = self.actions.notifier.send(payload, f"nan-{entry.incident_id}")
             return {"notified": result.detail}
         node = finding.get("node")
