@@ -17,8 +17,12 @@ import json
 import os
 import socket
 import sys
+from typing import TYPE_CHECKING
 
 from robust_metrics.selftest.api import CHECKS, Report, faults
+
+if TYPE_CHECKING:
+    from robust_metrics.selftest.runner import SelftestOptions
 
 __all__ = ["configure", "options_from_args", "run"]
 
@@ -94,7 +98,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         "(also ROBUST_SELFTEST_FAULT)")
 
 
-def options_from_args(args: argparse.Namespace):  # -> runner.SelftestOptions
+def options_from_args(args: argparse.Namespace) -> SelftestOptions:
     """The runner's options: defaults of --quick or full, then the flags given."""
     from robust_metrics.selftest import communication, compute, gpu, memory, runner
 
