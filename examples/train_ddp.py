@@ -45,6 +45,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--slow-seconds", type=float, default=0.05)
     p.add_argument("--nan-rank", type=int, default=-1)
     p.add_argument("--nan-step", type=int, default=-1)
+    p.add_argument("--nan-once", action="store_true",
+                   help="the NaN of --nan-step only in the first process that reaches it (a "
+                        "machine fault: a marker in --checkpoint-dir), not again after a resume")
     p.add_argument("--hang-rank", type=int, default=-1)
     p.add_argument("--hang-step", type=int, default=-1)
     p.add_argument("--checkpoint-dir", default="", help="save and resume checkpoints here")
@@ -103,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
             for _ in range(args.accumulate):
                 x = torch.randn(16, args.width, generator=generator)
                 loss = ddp(x).pow(2).mean() / args.accumulate
-                if rank == args.nan_rank and step == args.nan_step:
+                if rank == args.nan_rank and step == args.nan_step and _nan_now(args):
                     loss = loss * float("nan")
                 loss.backward()
             if args.clip:
@@ -121,6 +124,19 @@ def main(argv: list[str] | None = None) -> None:
         if args.summary:
             print_summary(handle, rank)
     dist.destroy_process_group()
+
+
+def _nan_now(args: argparse.Namespace) -> bool:
+    """Whether to inject the NaN: always (it follows the data), or with --nan-once only the first
+    time, as a fault of the machine would."""
+    if not args.nan_once:
+        return True
+    marker = os.path.join(args.checkpoint_dir or ".", "nan-injected")
+    if os.path.exists(marker):
+        return False
+    os.makedirs(os.path.dirname(marker) or ".", exist_ok=True)
+    open(marker, "w").close()
+    return True
 
 
 def print_summary(handle: robust_metrics.hooks.watch.Watch, rank: int) -> None:

@@ -31,6 +31,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "stacks": ("robust_metrics.analysis.stacks_cli", "localise a hang by aggregating rank stacks"),
     "schema": ("robust_metrics.schema_cli", "print the metric reference table"),
     "demo": ("robust_metrics.demo.cli", "run a training job, inject faults, watch them caught"),
+    "selftest": ("robust_metrics.selftest.cli", "node self-test: compute, memory, links, GPU health"),
 }
 
 

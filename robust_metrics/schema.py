@@ -183,6 +183,19 @@ NONFINITE_LOSS = _declare(
 NONFINITE_GRAD = _declare(
     "robust_nonfinite_grad_steps_total", C, "Steps whose gradient norm was NaN or infinite."
 )
+NONFINITE_FIRST_STEP = _declare(
+    "robust_nonfinite_first_step", G,
+    "Global step of this rank process's first step whose loss or gradient norm was NaN or "
+    "infinite. After a restart from a checkpoint the same step comes again: a non-finite value "
+    "there again follows the data or the model (persistent), none follows the machine "
+    "(transient). Appears at that step.", on_event=True,
+)
+NONFINITE_FIRST_BATCH = _declare(
+    "robust_nonfinite_first_batch", G,
+    "Position of the batch of robust_nonfinite_first_step, as watch()'s batch_position callable "
+    "returned it (a sample offset, say). Published only with batch_position, at that step.",
+    default_on=False, on_event=True,
+)
 SKIPPED_STEPS = _declare(
     "robust_skipped_steps_total", C,
     "Steps whose update the GradScaler skipped because its scaled gradients overflowed (inf or "
@@ -461,6 +474,47 @@ NCCL_MISSING_RANKS = _declare(
 NCCL_ERRORS = _declare(
     "robust_nccl_errors", G, "Errors the RAS service reports in its last report.", labels=NODE,
     source=SIDECAR,
+)
+
+# --- sidecar: node self-test (robust_metrics/selftest, POST /control/selftest) --------------
+SELFTEST_PASSED = _declare(
+    "robust_selftest_passed", G,
+    "1 when the check passed in the node's last self-test, 0 when it failed; absent for a check "
+    "that was skipped (no GPU, no torch) or has not run.",
+    labels=("node", "check"), source=SIDECAR, on_event=True,
+)
+SELFTEST_DURATION = _declare(
+    "robust_selftest_duration_seconds", G,
+    "Time each check of the node's last self-test took.",
+    labels=("node", "check"), source=SIDECAR, unit="seconds", on_event=True,
+)
+SELFTEST_LAST_RUN = _declare(
+    "robust_selftest_last_run_timestamp_seconds", G,
+    "Unix time at which the node's last self-test started.",
+    labels=NODE, source=SIDECAR, unit="seconds", on_event=True,
+)
+SELFTEST_COMPUTE_FLOPS = _declare(
+    "robust_selftest_compute_flops", G,
+    "Float32 matrix-multiply throughput (FLOP/s) of the last compute check; compared with the "
+    "node's own history and the fleet median.",
+    labels=NODE, source=SIDECAR, unit="flops", on_event=True,
+)
+SELFTEST_MEMORY_BYTES = _declare(
+    "robust_selftest_memory_verified_bytes", G,
+    "Bytes written and read back with every pattern by the last memory check.",
+    labels=NODE, source=SIDECAR, unit="bytes", on_event=True,
+)
+SELFTEST_BUS_BANDWIDTH = _declare(
+    "robust_selftest_bus_bandwidth_bytes_per_second", G,
+    "All-reduce bus bandwidth (algorithm bandwidth x 2(n-1)/n, as nccl-tests reports it) of the "
+    "last communication check.",
+    labels=NODE, source=SIDECAR, unit="bytes_per_second", on_event=True,
+)
+SELFTEST_GPU_PROBLEMS = _declare(
+    "robust_selftest_gpu_problems", G,
+    "Problems the last gpu check found through NVML (XID events, uncorrected ECC errors, row "
+    "remaps pending or failed, hardware throttling, lost GPUs).",
+    labels=NODE, source=SIDECAR, on_event=True,
 )
 
 # --- bridge (robust_metrics/bridge) ---------------------------------------------------------

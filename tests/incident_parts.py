@@ -49,13 +49,19 @@ class Parts:
 @contextlib.contextmanager
 def incident_parts(tmp: Path, job_args: Sequence[str], rules: list[dict[str, Any]],
                    incidents: dict[str, Any], scrape: str = "500ms",
-                   rule_files: Sequence[Path] = ()) -> Iterator[Parts]:
-    """The parts; Prometheus also scrapes the bridge's /metrics and evaluates `rule_files`."""
+                   rule_files: Sequence[Path] = (), sidecar_token: str | None = None,
+                   ) -> Iterator[Parts]:
+    """The parts; Prometheus also scrapes the bridge's /metrics and evaluates `rule_files`.
+    With `sidecar_token` the sidecar takes it for /control and the bridge knows it (node n1)."""
     metrics_dir = tmp / "metrics"
     state = tmp / "local-scheduler"
     bridge_port = free_port()
+    token_args: list[str] = []
+    if sidecar_token:
+        (tmp / "sidecar-token").write_text(sidecar_token)
+        token_args = ["--token-file", str(tmp / "sidecar-token")]
     with SidecarProcess(metrics_dir, ["--node", "n1", "--no-collector.nvml",
-                                      "--no-collector.nic", "--no-collector.nccl"],
+                                      "--no-collector.nic", "--no-collector.nccl", *token_args],
                         log_path=tmp / "sidecar.log") as sidecar, \
             PrometheusServer(tmp / "prom", [sidecar.url.removeprefix("http://")],
                              scrape_interval=scrape, evaluation_interval=scrape,
@@ -75,6 +81,9 @@ def incident_parts(tmp: Path, job_args: Sequence[str], rules: list[dict[str, Any
             "incidents": {"poll": "0.5s", **incidents},
             "rules": rules,
         }
+        if sidecar_token:  # the ranks say they run on n1, the node the bridge can reach
+            raw["sidecars"] = {"urls": {"n1": sidecar.url}, "token": sidecar_token}
+            raw["schedulers"]["local"]["env"]["ROBUST_METRICS_NODE"] = "n1"
         bridge = Bridge(parse(raw, tmp))
         local = bridge.schedulers["local"]
         assert isinstance(local, LocalScheduler)

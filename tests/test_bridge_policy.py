@@ -106,7 +106,7 @@ def test_decide_is_pure() -> None:
 
 
 def test_every_action_is_named_once_and_has_a_handler() -> None:
-    assert ACTIONS == ("checkpoint", "dump_stacks", "restart", "drain_node", "notify")
+    assert ACTIONS == ("checkpoint", "dump_stacks", "selftest", "restart", "drain_node", "notify")
     assert all(callable(getattr(Actions, f"_{name}", None)) for name in ACTIONS)
 
 

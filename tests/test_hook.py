@@ -125,6 +125,58 @@ def test_a_nan_loss_counts_exactly_one_nonfinite_step(watched: tuple) -> None:  
         optimizer.zero_grad()
     assert value(handle, "robust_nonfinite_loss_steps_total") == 1
     assert math.isfinite(value(handle, "robust_loss"))
+    assert value(handle, "robust_nonfinite_first_step") == 3  # the third step of this process
+
+
+def test_the_first_nonfinite_step_is_the_global_step_and_stays_the_first(
+        watched: tuple) -> None:  # type: ignore[type-arg]
+    handle = start(watched, start_step=100)  # resumed from a checkpoint at step 100
+    model, optimizer, _ = watched
+    train(model, optimizer, 2)
+    with pytest.raises(KeyError):  # no series before a NaN
+        value(handle, "robust_nonfinite_first_step")
+    for _ in range(2):  # steps 103 and 104 both non-finite
+        (model(torch.randn(4, 8)).pow(2).mean() * float("nan")).backward()
+        for p in model.parameters():
+            p.grad.zero_()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert value(handle, "robust_nonfinite_loss_steps_total") == 2
+    assert value(handle, "robust_nonfinite_first_step") == 103
+
+
+def test_the_batch_of_the_first_nonfinite_step_is_named(
+        watched: tuple) -> None:  # type: ignore[type-arg]
+    offsets = iter(range(0, 1000, 16))  # the sample offset of each step's batch
+    handle = start(watched, batch_position=lambda: next(offsets))
+    model, optimizer, _ = watched
+    for step in range(4):
+        loss = model(torch.randn(4, 8)).pow(2).mean()
+        (loss * float("nan") if step == 2 else loss).backward()
+        if step == 2:
+            for p in model.parameters():
+                p.grad.zero_()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert value(handle, "robust_nonfinite_first_step") == 3
+    assert value(handle, "robust_nonfinite_first_batch") == 32  # the third batch
+
+
+def test_a_failing_batch_position_is_a_hook_error_not_a_training_error(
+        watched: tuple) -> None:  # type: ignore[type-arg]
+    def broken() -> int:
+        raise LookupError("no sampler state")
+
+    handle = start(watched, batch_position=broken)
+    model, optimizer, _ = watched
+    (model(torch.randn(4, 8)).pow(2).mean() * float("nan")).backward()
+    optimizer.step()
+    assert value(handle, "robust_hook_errors_total", where="batch_position") == 1
+    assert value(handle, "robust_nonfinite_first_step") == 1
+    with pytest.raises(KeyError):
+        value(handle, "robust_nonfinite_first_batch")
+    with pytest.raises(ValueError, match="batch_position=3: must be a callable"):
+        robust_metrics.watch(model, optimizer, backend="null", batch_position=3)
 
 
 def test_nonfinite_gradients_are_counted(watched: tuple) -> None:  # type: ignore[type-arg]
@@ -134,6 +186,7 @@ def test_nonfinite_gradients_are_counted(watched: tuple) -> None:  # type: ignor
     next(model.parameters()).grad[0, 0] = float("inf")
     optimizer.step()
     assert value(handle, "robust_nonfinite_grad_steps_total") == 1
+    assert value(handle, "robust_nonfinite_first_step") == 1
 
 
 def test_explicit_loss_wins_over_the_captured_one(watched: tuple) -> None:  # type: ignore[type-arg]

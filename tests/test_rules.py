@@ -176,7 +176,8 @@ def test_the_issue_alerts_all_exist() -> None:
               "GradNormSpike", "NonFiniteLoss", "NonFiniteGradients", "ThroughputDrop",
               "GPUXidCritical", "GPUEccUncorrectable", "GPURowRemapFailure", "GPUThermalThrottle",
               "GPULost", "NICLinkDown", "NICFlapping", "SidecarDown", "CheckpointStale", "RankExited",
-              "LossRise", "GradNormRise", "MFUDrop", "SuspectNode", "SkippedStepStorm"}
+              "LossRise", "GradNormRise", "MFUDrop", "SuspectNode", "SkippedStepStorm",
+              "NodeSelftestFailed"}
     assert {a["alert"] for a in ALERTS} == wanted
 
 
@@ -317,7 +318,7 @@ def test_the_package_finds_its_rules() -> None:
     assert rules.RULES_DIR.is_dir()
     assert {p.name for p in rules.rule_files()} == {
         "training.yml", "stragglers.yml", "attribution.yml", "numerics.yml", "gpu.yml", "nic.yml",
-        "exporter.yml", "mfu.yml", "nodes.yml", "badput.yml"}
+        "exporter.yml", "mfu.yml", "nodes.yml", "badput.yml", "selftest.yml"}
 
 
 # -- Alertmanager routing example -------------------------------------------------------------

@@ -359,7 +359,7 @@ def test_failing_collector_costs_its_series_not_the_scrape() -> None:
 
 
 def test_every_collector_is_registered_with_a_flag() -> None:
-    assert set(available()) == {"ranks", "process", "nvml", "nic", "nccl"}
+    assert set(available()) == {"ranks", "process", "nvml", "nic", "nccl", "selftest"}
 
 
 class Constant:

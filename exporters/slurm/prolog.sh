@@ -28,4 +28,21 @@ ensure_dir "$DIR/ranks" 1733
 ensure_dir "$DIR/control" 0755
 # a job id is the run label; remember which jobs this node ran (the epilog removes it)
 touch -- "$DIR/ranks/.job-${SLURM_JOB_ID}"
+
+# Optional node self-test (docs/selftest.md): ROBUST_METRICS_SELFTEST holds the command, e.g.
+# "/opt/robust-metrics/bin/robust-metrics selftest --quick". A failed check (exit 1) fails the
+# prolog, so Slurm drains the node and requeues the job elsewhere; a self-test that cannot run
+# (bad options, timeout) is logged and the job goes ahead: only evidence drains a node.
+if [ -n "${ROBUST_METRICS_SELFTEST:-}" ]; then
+    rc=0
+    # shellcheck disable=SC2086  # the variable is a command line
+    out=$(timeout "${ROBUST_METRICS_SELFTEST_TIMEOUT:-60}" $ROBUST_METRICS_SELFTEST 2>&1) || rc=$?
+    if [ "$rc" = 1 ]; then
+        logger -t robust-metrics-prolog "self-test failed: ${out//$'\n'/ | }" || true
+        echo "robust-metrics: node self-test failed on $(hostname -s)" >&2
+        exit 1
+    elif [ "$rc" != 0 ]; then
+        logger -t robust-metrics-prolog "self-test could not run (exit $rc)" || true
+    fi
+fi
 exit 0

@@ -1,4 +1,4 @@
-"""What each action does: checkpoint, dump_stacks, restart, drain_node, notify.
+"""What each action does: checkpoint, dump_stacks, selftest, restart, drain_node, notify.
 
 Plain code that knows neither HTTP routes nor SQL: it gets a `StepContext` (the incident, the
 step's options, a way to save progress durably) and returns an `Outcome`. The engine records
@@ -14,6 +14,9 @@ Crash behaviour per action (a step found `running` at start):
 - checkpoint: once the request ids (or the time of the signal) are saved, waiting for the
   acknowledgement resumes; a signal is never sent twice;
 - dump_stacks: reads only, so it runs again;
+- selftest: each node's verdict and each drain are saved as they come, so a resumed step asks
+  only the nodes without a verdict and drains only the nodes not yet drained (each drain has
+  its own key, `<step key>:<node>`);
 - restart: publishes `robust_bridge_run_stop_timestamp_seconds` of the run and waits until
   Prometheus holds it (`notice_timeout_s`) before asking the scheduler, and publishes
   `robust_bridge_run_stop_end_timestamp_seconds` when the scheduler returns, so that RankExited
@@ -38,6 +41,7 @@ import httpx
 
 from robust_metrics import schema
 from robust_metrics.bridge.config import BridgeConfig, NotifyConfig
+from robust_metrics.bridge.demarcation import node_verdict, peer_outliers
 from robust_metrics.bridge.metrics import BridgeMetrics
 from robust_metrics.bridge.policy import eviction_nodes
 from robust_metrics.bridge.schedulers.base import ActionResult, Scheduler, SchedulerError
@@ -170,7 +174,7 @@ class Actions:
             return False
         if step.action == "checkpoint":
             return bool(step.data.get("requests") or step.data.get("signal_ms"))
-        if step.action == "dump_stacks":
+        if step.action in ("dump_stacks", "selftest"):
             return True
         if step.action in ("restart", "drain_node"):
             plan = incident.plan[step.idx] if step.idx < len(incident.plan) else {}
@@ -367,6 +371,78 @@ class Actions:
         for rank, node in now:
             self.metrics.hang_suspect.labels(run=run, rank=rank, node=node).set(1)
         self._suspects[run] = now
+
+    def _selftest(self, ctx: StepContext) -> Outcome:
+        """Ask each node of the run for its self-test, hold the nodes against each other, and
+        drain the nodes that fail; the restart after this step then lands on the others."""
+        data: dict[str, Any] = dict(ctx.data)
+        nodes = list(data.get("nodes") or self.sidecars.nodes(ctx.incident.run,
+                                                               ctx.incident.labels))
+        if ctx.dry_run:
+            return Outcome("dry_run", f"would run the self-test on {', '.join(nodes)} and drain "
+                           "the nodes that fail", {"nodes": nodes})
+        data["nodes"] = nodes
+        verdicts = self._selftest_verdicts(ctx, data)
+        outliers = peer_outliers(verdicts, float(ctx.options.get("min_fraction", 0.5)))
+        for node, why in outliers.items():
+            own = verdicts[node].get("detail")
+            verdicts[node] = {**verdicts[node], "verdict": "fail",
+                              "detail": f"{own}; {why}" if own else why,
+                              "failed": sorted({*verdicts[node].get("failed", []), "compute"})}
+        data["failed"] = sorted(n for n, v in verdicts.items() if v["verdict"] == "fail")
+        unreachable = sorted(n for n, v in verdicts.items() if v["verdict"] == "error")
+        data.update(verdicts=verdicts, unreachable=unreachable)
+        ctx.save(data)
+        if data["failed"] and ctx.options.get("drain", True):
+            self._drain_failed(ctx, data)
+        return self._selftest_outcome(data)
+
+    def _selftest_verdicts(self, ctx: StepContext, data: dict[str, Any]) -> dict[str, Any]:
+        """node -> verdict, asking only the nodes without one (a resumed step keeps the rest)."""
+        verdicts: dict[str, Any] = dict(data.get("verdicts") or {})
+        body: dict[str, Any] = {"quick": bool(ctx.options.get("quick", True))}
+        if ctx.options.get("checks"):
+            body["checks"] = [c.strip() for c in str(ctx.options["checks"]).split(",")]
+        for node in data["nodes"]:
+            if node in verdicts:
+                continue
+            if self.stop.is_set():
+                raise Interrupted()
+            try:
+                verdicts[node] = node_verdict(self.sidecars.selftest(
+                    node, body, float(ctx.options.get("timeout_s", 330.0))))
+            except SidecarError as exc:
+                verdicts[node] = {"verdict": "error", "failed": [], "detail": str(exc)}
+            ctx.save({**data, "verdicts": verdicts})
+        return verdicts
+
+    def _drain_failed(self, ctx: StepContext, data: dict[str, Any]) -> None:
+        name, scheduler = self._scheduler(ctx)
+        drained: dict[str, Any] = dict(data.get("drained") or {})
+        for node in data["failed"]:
+            if (drained.get(node) or {}).get("ok"):
+                continue
+            why = data["verdicts"][node].get("detail") or "self-test failed"
+            result = scheduler.drain_node(node, f"{self._reason(ctx)}: self-test failed: {why}",
+                                          key=f"{ctx.key}:{node}")
+            drained[node] = {"ok": result.ok, "detail": result.detail}
+            data.update(drained=drained, scheduler=name)
+            ctx.save(data)
+
+    @staticmethod
+    def _selftest_outcome(data: dict[str, Any]) -> Outcome:
+        verdicts, failed = data["verdicts"], data["failed"]
+        drained = data.get("drained") or {}
+        summary = ", ".join(f"{n} {v['verdict']}" for n, v in sorted(verdicts.items()))
+        bad_drains = sorted(n for n, d in drained.items() if not d.get("ok"))
+        if len(data["unreachable"]) == len(verdicts):
+            return Outcome("failed", f"no sidecar ran the self-test: {summary}", data)
+        if bad_drains:
+            return Outcome("failed", f"self-test: {summary}; drain failed on "
+                           f"{', '.join(bad_drains)}: "
+                           + "; ".join(drained[n]["detail"] for n in bad_drains), data)
+        done = f"; drained {', '.join(failed)}" if drained else ""
+        return Outcome("success", f"self-test: {summary}{done}", data)
 
     def _restart(self, ctx: StepContext) -> Outcome:
         name, scheduler = self._scheduler(ctx)

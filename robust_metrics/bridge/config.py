@@ -145,7 +145,9 @@ class IncidentsConfig:
     run shows no step this long after its action is entered as not recovered; `node_window_s`:
     the window of the per-node incident count; `node_alert`: the alert that flags a node (its own
     incidents are not counted); `over_eviction`: a hang that names several suspect ranks drains
-    every node holding one; `poll_s`: how often the ledger looks for finished incidents.
+    every node holding one; `poll_s`: how often the ledger looks for finished incidents;
+    `nan_alert_re`: the alerts of non-finite values, whose restarts the ledger follows to a
+    transient or persistent verdict (`bridge.numerics`).
     """
 
     crash_loop_restarts: int = 3
@@ -155,6 +157,7 @@ class IncidentsConfig:
     node_alert: str = "SuspectNode"
     over_eviction: bool = False
     poll_s: float = 5.0
+    nan_alert_re: re.Pattern[str] = re.compile(r"NonFinite.*")
 
 
 @dataclass(frozen=True)
@@ -230,6 +233,9 @@ _ACTION_OPTIONS: dict[str, dict[str, tuple[str, Any]]] = {
     "checkpoint": {"timeout_s": ("number", 120.0), "at_step": ("int", None),
                    "scheduler": ("scheduler", None)},
     "dump_stacks": {},
+    "selftest": {"scheduler": ("scheduler", None), "quick": ("bool", True),
+                 "checks": ("checks", None), "drain": ("bool", True),
+                 "timeout_s": ("number", 330.0), "min_fraction": ("number", 0.5)},
     "restart": {"scheduler": ("scheduler", None), "checkpoint_first": ("bool", False),
                 "require_checkpoint": ("bool", False), "checkpoint_timeout_s": ("number", 120.0),
                 "notice_timeout_s": ("number", 60.0)},
@@ -238,6 +244,21 @@ _ACTION_OPTIONS: dict[str, dict[str, tuple[str, Any]]] = {
 }
 # The action names, declared once: the keys above (each is a method `_<name>` of bridge.Actions).
 ACTIONS: tuple[str, ...] = tuple(_ACTION_OPTIONS)
+
+
+def _checks(data: Mapping[str, Any], key: str, where: str) -> str | None:
+    """Self-test checks as a list or a comma-separated string, kept as the latter."""
+    from robust_metrics.selftest.api import CHECKS
+
+    value = data.get(key)
+    if value is None:
+        return None
+    names = value.split(",") if isinstance(value, str) else value
+    if not isinstance(names, list) or not names or not all(
+            isinstance(n, str) and n.strip() in CHECKS for n in names):
+        raise ConfigError(f"{where}.{key}: a list of self-test checks ({', '.join(CHECKS)}), "
+                          f"got {value!r}")
+    return ",".join(n.strip() for n in names)
 
 
 def _action(raw: Any, where: str, schedulers: Mapping[str, SchedulerConfig]) -> ActionSpec:
@@ -262,6 +283,8 @@ def _action(raw: Any, where: str, schedulers: Mapping[str, SchedulerConfig]) -> 
             options[key] = _bool(data, key, where, default)
         elif what == "str":
             options[key] = _str(data, key, where, default)
+        elif what == "checks":
+            options[key] = _checks(data, key, where)
         elif what == "scheduler":
             name = _str(data, key, where, default)
             if name is not None and name not in schedulers:
@@ -303,7 +326,9 @@ def _rule(raw: Any, where: str, schedulers: Mapping[str, SchedulerConfig],
     if scheduler is not None and scheduler not in schedulers:
         raise ConfigError(f"{where}.scheduler: no scheduler named {scheduler!r} in `schedulers`")
     needs_scheduler = [a.type for a in actions
-                       if a.type in ("restart", "drain_node") and not a.options.get("scheduler")]
+                       if (a.type in ("restart", "drain_node")
+                           or (a.type == "selftest" and a.options.get("drain")))
+                       and not a.options.get("scheduler")]
     if needs_scheduler and scheduler is None:
         raise ConfigError(f"{where}: action {needs_scheduler[0]} needs a scheduler: define "
                           "`schedulers` and set `scheduler` on the rule or the action")
@@ -332,8 +357,13 @@ def _duration(value: Any, where: str) -> float:
 def _incidents(raw: Any) -> IncidentsConfig:
     data = _mapping(raw, "incidents")
     _only(data, {"crash_loop_restarts", "lookback", "recover_timeout", "node_window",
-                 "node_alert", "over_eviction", "poll"}, "incidents")
+                 "node_alert", "over_eviction", "poll", "nan_alert_re"}, "incidents")
     d = IncidentsConfig()
+    nan_re = _str(data, "nan_alert_re", "incidents", d.nan_alert_re.pattern) or ""
+    try:
+        nan_pattern = re.compile(nan_re)
+    except re.error as exc:
+        raise ConfigError(f"incidents.nan_alert_re: bad regular expression: {exc}") from None
     out = IncidentsConfig(
         crash_loop_restarts=int(_num(data, "crash_loop_restarts", "incidents",
                                      d.crash_loop_restarts, integer=True)),
@@ -345,6 +375,7 @@ def _incidents(raw: Any) -> IncidentsConfig:
         node_alert=_str(data, "node_alert", "incidents", d.node_alert) or d.node_alert,
         over_eviction=_bool(data, "over_eviction", "incidents"),
         poll_s=_duration(data.get("poll", d.poll_s), "incidents.poll"),
+        nan_alert_re=nan_pattern,
     )
     for name in ("lookback_s", "node_window_s", "poll_s"):
         if getattr(out, name) <= 0:

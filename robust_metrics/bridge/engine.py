@@ -12,7 +12,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from robust_metrics.bridge import policy
@@ -40,6 +40,8 @@ class Engine:
         self._wake = threading.Condition()
         self._threads: list[threading.Thread] = []
         self._horizon_s = policy.history_horizon_s(config)
+        # run -> the ledger's finding that its non-finite value persists (set by the service)
+        self.nan_finding: Callable[[str], str | None] | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def recover(self) -> list[str]:
@@ -105,6 +107,9 @@ class Engine:
                 now: float) -> policy.Decision:
         if any(step["type"] == "restart" for step in incident.plan):
             history = dataclasses.replace(history, highest_step=self._highest_step(incident.run))
+            if self.nan_finding is not None:
+                history = dataclasses.replace(history,
+                                              persistent_nan=self.nan_finding(incident.run))
         return policy.decide(self.config, policy.AlertFacts(incident.labels, incident.starts_at),
                              history, now)
 

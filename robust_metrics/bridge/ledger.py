@@ -13,6 +13,17 @@ alert, the ranks and nodes it named (labels and the stack analysis' suspects), a
   `acted` that Prometheus scraped (exact when a scrape falls between the first and the second
   step after the restart; otherwise late by less than one scrape interval);
 - **over-eviction**: the note says how many nodes a drain of every suspect's node took;
+- **self-test**: each tested node's verdict (`pass`, `fail`, `skipped`, `error` for a sidecar
+  that did not answer), its failed checks, why, and whether it was drained (`selftest`); a node
+  that failed is named by the incident, so it counts in the suspect-node score, and a node that
+  passed is not named by the test;
+- **numerics**: for an incident of a non-finite value (`incidents.nan_alert_re`) that was
+  restarted, the verdict of `bridge.numerics` once the run meets the bad step again:
+  `persistent` (it came back at the same step: the data or the model; the bridge stops
+  restarting the run and notifies), `transient` (the run passed the step cleanly: the machine;
+  the node of the first reporting rank is named, a suspect mark, and gets a compute self-test),
+  `recurred_elsewhere`, or `undecided` when the run did not get there in time; with the step,
+  the first reporting rank and its node;
 - **lost steps**: the highest step before the restart minus the step the run resumed from
   (`robust_start_step` of the ranks that stepped after the restart: the hook publishes the
   restored step at `watch()` or `set_step()`, so it does not matter which step a scrape catches).
@@ -31,7 +42,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram
@@ -39,12 +50,14 @@ from prometheus_client import Counter, Gauge, Histogram
 from robust_metrics import schema
 from robust_metrics.bridge.config import BridgeConfig
 from robust_metrics.bridge.metrics import BridgeMetrics
+from robust_metrics.bridge.numerics import NanEvidence, first_report, nan_verdict
 from robust_metrics.bridge.payload import parse_time
 from robust_metrics.bridge.policy import is_hang
 from robust_metrics.bridge.store import ActionStore, Incident, Step
 
 __all__ = ["Entry", "Ledger", "LedgerMetrics", "Progress", "acted_at", "highest_step", "named",
-           "outcome_of", "over_eviction_note", "progress_after"]
+           "outcome_of", "over_eviction_note", "persistent_finding", "progress_after",
+           "selftest_verdicts"]
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +67,10 @@ LAST_STEP = schema.LAST_STEP_TIMESTAMP.name
 GLOBAL_STEP = schema.GLOBAL_STEP.name
 EXIT_STEP = schema.RANK_EXIT_GLOBAL_STEP.name
 START_STEP = schema.START_STEP.name
+NAN_STEP = schema.NONFINITE_FIRST_STEP.name
+NAN_BATCH = schema.NONFINITE_FIRST_BATCH.name
+NAN_COUNTERS = (schema.NONFINITE_LOSS.name, schema.NONFINITE_GRAD.name)
+RANK_INFO = schema.RANK_INFO.name
 
 _TABLE = """
 CREATE TABLE IF NOT EXISTS ledger (
@@ -71,7 +88,9 @@ CREATE TABLE IF NOT EXISTS ledger (
     lost_steps INTEGER,
     outcome TEXT NOT NULL,
     note TEXT NOT NULL DEFAULT '',
-    final INTEGER NOT NULL DEFAULT 0
+    final INTEGER NOT NULL DEFAULT 0,
+    selftest TEXT NOT NULL DEFAULT '{}',
+    numerics TEXT NOT NULL DEFAULT '{}'
 );
 CREATE INDEX IF NOT EXISTS ledger_detected ON ledger(detected);
 """
@@ -96,6 +115,8 @@ class Entry:
     outcome: str
     note: str = ""
     final: bool = False
+    selftest: dict[str, Any] = field(default_factory=dict)
+    numerics: dict[str, Any] = field(default_factory=dict)
 
     @property
     def detect_s(self) -> float | None:
@@ -149,7 +170,21 @@ def named(incident: Incident, steps: Sequence[Step]) -> tuple[list[str], list[st
                     nodes.add(str(suspect["node"]))
         if step.action == "drain_node" and step.status == "success":
             nodes.update(str(n) for n in step.data.get("nodes") or [])
+    nodes.update(n for n, v in selftest_verdicts(steps).items() if v["verdict"] == "fail")
     return sorted(ranks, key=_rank_key), sorted(nodes)
+
+
+def selftest_verdicts(steps: Sequence[Step]) -> dict[str, dict[str, Any]]:
+    """node -> {verdict, failed, detail, drained} from the incident's last self-test step."""
+    tested = [s for s in steps if s.action == "selftest" and s.data.get("verdicts")]
+    if not tested:
+        return {}
+    data = tested[-1].data
+    drained = data.get("drained") or {}
+    return {str(node): {"verdict": str(v.get("verdict")), "failed": list(v.get("failed") or []),
+                        "detail": str(v.get("detail") or "")[:300],
+                        "drained": bool((drained.get(node) or {}).get("ok"))}
+            for node, v in data["verdicts"].items() if isinstance(v, Mapping)}
 
 
 def acted_at(steps: Sequence[Step]) -> float | None:
@@ -280,6 +315,21 @@ class Ledger:
             for statement in _TABLE.split(";"):
                 if statement.strip():
                     db.execute(statement)
+            columns = {r[1] for r in db.execute("PRAGMA table_info(ledger)")}
+            for column in ("selftest", "numerics"):  # a ledger written before they existed
+                if column not in columns:
+                    db.execute(f"ALTER TABLE ledger ADD COLUMN {column} TEXT NOT NULL "
+                               "DEFAULT '{}'")
+            rows = db.execute("SELECT run, numerics FROM ledger WHERE numerics LIKE "
+                              "'%persistent%' ORDER BY incident_id").fetchall()
+        self._persistent: dict[str, str] = {}  # run -> finding, read by the engine's decisions
+        self._persistent_lock = threading.Lock()
+        for run, numerics in rows:
+            finding = json.loads(numerics)
+            if finding.get("verdict") == "persistent":
+                self._persistent[run] = persistent_finding(finding)
+        # called once per verdict (the service notifies or runs a self-test); its answer is kept
+        self.on_nan_verdict: Callable[[Entry], Mapping[str, Any]] | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -334,7 +384,8 @@ class Ledger:
         fault, note = self._fault(incident)
         note = "; ".join(n for n in (note, over_eviction_note(steps)) if n)
         base = Entry(incident.id, incident.run, incident.alertname, ranks, nodes, fault,
-                     incident.received, acted, None, None, None, None, outcome, note)
+                     incident.received, acted, None, None, None, None, outcome, note,
+                     selftest=selftest_verdicts(steps))
         if outcome != "restart" or acted is None:
             return _replace(base, final=True)
         if self.query is None:
@@ -351,9 +402,84 @@ class Ledger:
         lost = None
         if highest is not None and progress.resumed_step is not None:
             lost = int(max(0.0, highest - progress.resumed_step))
-        return _replace(base, outcome="recovered", recovered=progress.recovered,
-                        highest_step=highest, resumed_step=progress.resumed_step,
-                        lost_steps=lost, final=True)
+        entry = _replace(base, outcome="recovered", recovered=progress.recovered,
+                         highest_step=highest, resumed_step=progress.resumed_step,
+                         lost_steps=lost, final=True)
+        if self.config.incidents.nan_alert_re.fullmatch(incident.alertname):
+            entry = self._numerics(entry, incident, acted, now)
+        return entry
+
+    # ------------------------------------------------------------------ non-finite values
+    def persistent_nan(self, run: str) -> str | None:
+        """The ledger's finding that the run's non-finite value persists, or None."""
+        with self._persistent_lock:
+            return self._persistent.get(run)
+
+    def _nan_evidence(self, incident: Incident, acted: float, now: float,
+                      ) -> tuple[NanEvidence, dict[str, Any]]:
+        """What Prometheus shows of the bad step before the restart and of the run after it,
+        and the node of the first reporting rank and its batch position (when published)."""
+        sel = _sel(incident.run)
+        # After the all-reduce every rank has the non-finite gradients: a rank whose own loss
+        # was non-finite is where it began, when there is one.
+        first = None
+        for only in (f" and on (run, rank) ({NAN_COUNTERS[0]}{sel} > 0)", ""):
+            before = {r["metric"].get("rank", ""): float(r["value"][1]) for r in self.query_at(
+                f"min by (rank) ({NAN_STEP}{sel}{only})", incident.received) if "value" in r}
+            first = first_report(before)
+            if first is not None:
+                break
+        if first is None:
+            return NanEvidence(None, None, None, None), {}
+        rank, step = first
+        rank_sel = sel[:-1] + ', rank="' + rank.replace("\\", "\\\\").replace('"', '\\"') + '"}'
+        where = {"node": next((r["metric"].get("node") for r in self.query_at(
+            f"max by (node) ({RANK_INFO}{rank_sel})", incident.received)), None),
+            "batch": _scalar(self.query_at(f"max({NAN_BATCH}{rank_sel})", incident.received))}
+        span = f"{max(1.0, now - acted):.0f}s"
+        grew = " or ".join(f"(increase({c}{sel}[{span}]) > 0)" for c in NAN_COUNTERS)
+        recurred = _min(self.query_at(f"min({NAN_STEP}{sel} and on (run, rank) ({grew}))",
+                                      now))
+        after = _scalar(self.query_at(
+            f"max({GLOBAL_STEP}{sel} and on (run, rank) ({LAST_STEP}{sel} > {acted:.3f}))",
+            now))
+        return NanEvidence(step, rank, recurred, after), where
+
+    def _numerics(self, entry: Entry, incident: Incident, acted: float, now: float) -> Entry:
+        """Hold a recovered NaN incident open until the run meets the bad step again."""
+        read = self._read(lambda: self._nan_evidence(incident, acted, now))
+        if read is None:  # Prometheus away: try again at the next pass
+            return _replace(entry, final=False)
+        evidence, where = read
+        node = where.get("node")
+        verdict = nan_verdict(evidence)
+        if verdict is None and evidence.step is not None and \
+                now - acted <= self.config.incidents.recover_timeout_s:
+            return _replace(entry, final=False)
+        finding: dict[str, Any] = {
+            "verdict": verdict or ("undecided" if evidence.step is not None else "unknown"),
+            "step": evidence.step, "rank": evidence.rank, "node": node,
+            "batch": where.get("batch"), "recurred_step": evidence.recurred_step}
+        nodes = entry.nodes
+        if verdict == "transient" and node:  # the suspect mark: the incident names the node
+            nodes = sorted({*nodes, node})
+        if verdict == "persistent":
+            with self._persistent_lock:
+                self._persistent[incident.run] = persistent_finding(finding)
+        entry = _replace(entry, numerics=finding, nodes=nodes,
+                         note="; ".join(n for n in (entry.note, _nan_note(finding)) if n))
+        return self._after_verdict(entry) if verdict else entry
+
+    def _after_verdict(self, entry: Entry) -> Entry:
+        if self.on_nan_verdict is None:
+            return entry
+        try:
+            extra = dict(self.on_nan_verdict(entry))
+        except Exception as exc:  # a failed notification must not lose the verdict
+            log.exception("acting on the NaN verdict of incident %d failed", entry.incident_id)
+            extra = {"error": repr(exc)}
+        selftest = {**entry.selftest, **dict(extra.pop("selftest", {}) or {})}
+        return _replace(entry, selftest=selftest, numerics={**entry.numerics, **extra})
 
     def query_at(self, promql: str, at: float | None) -> list[dict[str, Any]]:
         assert self.query is not None
@@ -397,6 +523,8 @@ class Ledger:
         row = asdict(entry)
         row["ranks"] = json.dumps(entry.ranks)
         row["nodes"] = json.dumps(entry.nodes)
+        row["selftest"] = json.dumps(entry.selftest)
+        row["numerics"] = json.dumps(entry.numerics)
         row["final"] = int(entry.final)
         cols = ", ".join(row)
         marks = ", ".join("?" * len(row))
@@ -432,6 +560,35 @@ class Ledger:
         return counts
 
 
+def _min(result: list[dict[str, Any]]) -> float | None:
+    values = [float(r["value"][1]) for r in result if "value" in r]
+    return min(values) if values else None
+
+
+def persistent_finding(finding: Mapping[str, Any]) -> str:
+    """The sentence a refused restart and its notification carry."""
+    step, rank = finding.get("step"), finding.get("rank")
+    return (f"the non-finite value came back at step {step:.0f} (first on rank {rank}) after "
+            "a restart from a checkpoint" if step is not None else
+            "the non-finite value came back at the same step after a restart")
+
+
+def _nan_note(finding: Mapping[str, Any]) -> str:
+    verdict, step, rank = finding["verdict"], finding.get("step"), finding.get("rank")
+    where = f"step {step:.0f}, first on rank {rank}" if step is not None else "step unknown"
+    where += f" (node {finding['node']})" if finding.get("node") else ""
+    where += f", batch {finding['batch']:.0f}" if finding.get("batch") is not None else ""
+    return {"persistent": f"non-finite value persistent at {where}: it follows the data or the "
+                          "model; restarts stopped",
+            "transient": f"non-finite value transient at {where}: the run passed the step "
+                         "cleanly after the restart; the node is suspect",
+            "recurred_elsewhere": f"non-finite value at {where} came back at an earlier step "
+                                  f"({finding.get('recurred_step')})",
+            "undecided": f"non-finite value at {where}: the run did not reach the step again "
+                         "within incidents.recover_timeout",
+            }.get(verdict, "non-finite value: no robust_nonfinite_first_step in Prometheus")
+
+
 def _replace(entry: Entry, **changes: Any) -> Entry:
     return Entry(**{**asdict(entry), **changes})
 
@@ -440,5 +597,7 @@ def _row_entry(row: Any) -> Entry:
     data = dict(row)
     data["ranks"] = json.loads(data["ranks"])
     data["nodes"] = json.loads(data["nodes"])
+    data["selftest"] = json.loads(data.get("selftest") or "{}")
+    data["numerics"] = json.loads(data.get("numerics") or "{}")
     data["final"] = bool(data["final"])
     return Entry(**data)

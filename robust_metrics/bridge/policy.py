@@ -21,6 +21,10 @@ what the action log says about the alert's run, with no HTTP, SQL or clock insid
    `incidents.crash_loop_restarts` restarts (each restart step records the highest step seen
    before it), a further restart would replay the same failure (a bug in the job, not a machine):
    it becomes a `notify` escalation that says so, marked `guard: crash_loop` for the ledger.
+7. **persistent non-finite values**: when the ledger has found that a run's non-finite value came
+   back at the same step after a restart (`bridge.numerics`), a restart for another alert of
+   non-finite values (`incidents.nan_alert_re`) would replay it: it becomes a `notify` that
+   names the step and rank, marked `guard: nan_persistent`.
 
 The bridge calls `decide` when an alert arrives (to record its rule, plan and due time) and again
 when a worker claims it, inside the store's transaction, with the run's history read in that
@@ -64,6 +68,7 @@ class History:
     restarts: Sequence[float] = ()
     restart_steps: Sequence[float | None] = ()
     highest_step: float | None = None
+    persistent_nan: str | None = None  # the ledger's finding, when the run has one
 
 
 @dataclass(frozen=True)
@@ -227,6 +232,27 @@ def _crash_loop_guard(config: BridgeConfig, plan: list[dict[str, Any]], run: str
     return out
 
 
+def _nan_guard(config: BridgeConfig, plan: list[dict[str, Any]], run: str, alertname: str,
+               log: History) -> list[dict[str, Any]]:
+    """A restart for a non-finite value the run is known to replay becomes a notify."""
+    if not log.persistent_nan or not config.incidents.nan_alert_re.fullmatch(alertname):
+        return plan
+    why = log.persistent_nan
+    out: list[dict[str, Any]] = []
+    for step in plan:
+        if step["type"] == "restart":
+            out.append({"type": "notify", "continue_on_error": False,
+                        "dry_run": step.get("dry_run"), "escalated_from": "restart",
+                        "guard": "nan_persistent",
+                        "options": {"message": f"run {run}: {why}; not restarting it again "
+                                    f"({alertname}): the data or the model is at fault"}})
+        elif step["type"] == "checkpoint" and (step.get("options") or {}).get("before_restart"):
+            out.append({**step, "skip": why})
+        else:
+            out.append(step)
+    return out
+
+
 def decide(config: BridgeConfig, alert: AlertFacts, log: History, now: float) -> Decision:
     """What the bridge does for `alert` at `now`, given the policy and its run's history."""
     rule = match_rule(config, alert.labels)
@@ -242,6 +268,7 @@ def decide(config: BridgeConfig, alert: AlertFacts, log: History, now: float) ->
     if cooldown is not None:
         return Decision("skip", rule.name, plan, due, cooldown)
     alertname = alert.labels.get("alertname", "")
+    plan = _nan_guard(config, plan, run, alertname, log)
     plan = _crash_loop_guard(config, plan, run, alertname, log)
     plan = _budget(config, plan, run, alertname, log, now)
     return Decision("run", rule.name, plan, due)

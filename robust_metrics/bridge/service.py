@@ -14,12 +14,13 @@ from typing import Any
 from robust_metrics.bridge import policy
 from robust_metrics.bridge.actions import Actions
 from robust_metrics.bridge.config import BridgeConfig
+from robust_metrics.bridge.demarcation import node_verdict
 from robust_metrics.bridge.engine import Engine
-from robust_metrics.bridge.ledger import Ledger
+from robust_metrics.bridge.ledger import Entry, Ledger, persistent_finding
 from robust_metrics.bridge.metrics import BridgeMetrics
 from robust_metrics.bridge.payload import Notification
 from robust_metrics.bridge.schedulers import base as schedulers_base
-from robust_metrics.bridge.sidecars import SidecarClient
+from robust_metrics.bridge.sidecars import SidecarClient, SidecarError
 from robust_metrics.bridge.store import ActionStore, NewAlert
 
 __all__ = ["Bridge"]
@@ -41,7 +42,35 @@ class Bridge:
         self.engine = Engine(config, self.store, self.actions, self.metrics)
         self.ledger = Ledger(config, self.store, self.metrics,
                              self.sidecars.query if config.prometheus_url else None)
+        self.ledger.on_nan_verdict = self._on_nan_verdict
+        self.engine.nan_finding = self.ledger.persistent_nan
         self.recovery_notes: list[str] = []
+
+    def _on_nan_verdict(self, entry: Entry) -> dict[str, Any]:
+        """A persistent value: tell people (the restarts stop); a transient one: test the node
+        of the rank that reported it first with the compute check."""
+        finding = entry.numerics
+        if finding.get("verdict") == "persistent":
+            if self.actions.notifier is None:
+                return {"notified": "not notified: notify.url is not set"}
+            payload = {"kind": "robust-metrics-bridge", "run": entry.run,
+                       "alertname": entry.alertname, "incident": entry.incident_id,
+                       "message": f"run {entry.run}: {persistent_finding(finding)}; the bridge "
+                                  "stops restarting it: the data or the model is at fault",
+                       "step": finding.get("step"), "rank": finding.get("rank"),
+                       "node": finding.get("node"), "batch": finding.get("batch"),
+                       "verdict": "persistent"}
+            result = self.actions.notifier.send(payload, f"nan-{entry.incident_id}")
+            return {"notified": result.detail}
+        node = finding.get("node")
+        if finding.get("verdict") != "transient" or not node:
+            return {}
+        try:
+            report = self.sidecars.selftest(node, {"quick": True, "checks": ["compute"]}, 330.0)
+            verdict = node_verdict(report)
+        except SidecarError as exc:
+            verdict = {"verdict": "error", "failed": [], "detail": str(exc)}
+        return {"selftest": {node: {**verdict, "drained": False}}}
 
     def start(self) -> None:
         self.recovery_notes = self.engine.recover()

@@ -1,8 +1,10 @@
 """Talking to the node sidecars and to Prometheus: where a run's ranks are, and what they said.
 
 The sidecar offers `POST /control/checkpoint` (bearer token; body `{"at_step": n}`; answers
-`{"request_id": n, ...}`), `GET /debug/stacks` (`{node, ranks: [{run, rank, pid, threads, error}]}`)
-and `/metrics`, where each rank's `robust_checkpoint_request_id` acknowledges the newest checkpoint
+`{"request_id": n, ...}`), `GET /debug/stacks` (`{node, ranks: [{run, rank, pid, threads, error}]}`),
+`POST /control/selftest` (bearer token; body `{"quick": true, "checks": [...]}`; answers the node's
+self-test report `{node, verdict, failed, results: [...]}`) and `/metrics`, where each rank's
+`robust_checkpoint_request_id` acknowledges the newest checkpoint
 request it has handled. Nodes of a run come from the alert (`node`, or `nodes` comma-separated) or
 from Prometheus (`robust_rank_info{run=...}`). Either way a job wrote the name: it is looked up in
 the configured sidecar hosts (`SidecarEndpoints.url`) or, with `sidecars.discovery_job`, among
@@ -172,6 +174,20 @@ class SidecarClient:
         if not isinstance(data, dict) or not isinstance(data.get("ranks"), list):
             raise SidecarError(f"sidecar of node {node}: stacks answer has no `ranks` list")
         data.setdefault("node", node)
+        return data
+
+    def selftest(self, node: str, body: Mapping[str, Any], timeout_s: float) -> dict[str, Any]:
+        """The node's self-test report (the sidecar runs `robust-metrics selftest`)."""
+        response = self._call("POST", node, "/control/selftest", json=dict(body),
+                              timeout=timeout_s)
+        try:
+            data = response.json()
+        except ValueError as exc:
+            raise SidecarError(f"sidecar of node {node}: self-test answer is not JSON") from exc
+        if not isinstance(data, dict) or data.get("verdict") not in ("pass", "fail", "skipped") \
+                or not isinstance(data.get("results"), list):
+            raise SidecarError(f"sidecar of node {node}: self-test answer has no verdict and "
+                               f"results: {response.text[:200]}")
         return data
 
     def acknowledged(self, run: str, node: str, request_id: int) -> tuple[bool, str]:

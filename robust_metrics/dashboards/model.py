@@ -28,6 +28,7 @@ class Needs(enum.StrEnum):
     BRIDGE = "bridge"  # the action bridge is scraped and has acted
     HANG = "hang"  # fault: the bridge named a hang suspect
     INCIDENT = "incident"  # the bridge's ledger has entered an incident that named a node
+    SELFTEST = "selftest"  # a sidecar has run a node self-test (POST /control/selftest)
 
 
 @dataclass(frozen=True)

@@ -87,6 +87,24 @@ NODE_GPU_HEALTH = DashboardSpec(
             ), "Carrier changes of network devices and InfiniBand ports not ACTIVE. A flapping "
                "link stalls every collective that crosses it.", width=8, needs=Needs.NIC),
         )),
+        Section("Self-test", (
+            PanelSpec("Self-test verdicts", "timeseries",
+                      (Target(f"min by (node, check) (robust_selftest_passed{{{NODES}}})",
+                              "{{node}} {{check}}"),),
+                      "1 when the check passed in the node's last self-test, 0 when it failed "
+                      "(NodeSelftestFailed drains the node); no series for a skipped check.",
+                      width=8, needs=Needs.SELFTEST),
+            PanelSpec("Self-test compute throughput", "timeseries",
+                      (Target(f"robust_selftest_compute_flops{{{NODES}}}", "{{node}}"),),
+                      "FLOP/s of the seeded matrix multiply of each node's last self-test; a "
+                      "node far below its peers is slow silicon.", unit="flops", width=8,
+                      needs=Needs.SELFTEST),
+            PanelSpec("Self-test bus bandwidth", "timeseries",
+                      (Target(f"robust_selftest_bus_bandwidth_bytes_per_second{{{NODES}}}",
+                              "{{node}}"),),
+                      "All-reduce bus bandwidth of each node's last communication check.",
+                      unit="Bps", width=8, needs=Needs.SELFTEST),
+        )),
         Section("Sidecar and rank processes", (
             PanelSpec("Sidecar collector success", "timeseries",
                       (Target("min by (instance, collector) (robust_sidecar_collector_success)",

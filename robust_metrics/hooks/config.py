@@ -69,6 +69,7 @@ class WatchOptions:
     trace_every: int = 0
     trace_steps: int = 1
     flops_per_step: float | Callable[[], float] | None = None
+    batch_position: Callable[[], int] | None = None
 
     @classmethod
     def resolve(cls, env: Mapping[str, str] | None = None, **kwargs: Any) -> WatchOptions:
@@ -144,6 +145,9 @@ class WatchOptions:
             raise ValueError("trace_every= needs trace_dir= (where sampled op traces go)")
         if self.trace_steps < 1:
             raise ValueError(f"trace_steps={self.trace_steps!r}: must be >= 1")
+        if self.batch_position is not None and not callable(self.batch_position):
+            raise ValueError(f"batch_position={self.batch_position!r}: must be a callable "
+                             "returning the position of the step's batch (an int)")
         flops = self.flops_per_step
         if flops is not None and not callable(flops) and not valid_flops(flops):
             raise ValueError(f"flops_per_step={flops!r}: must be a finite number >= 0 or a "

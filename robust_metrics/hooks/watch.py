@@ -76,6 +76,8 @@ class Watch:
         self.optimizer = optimizer
         self.store = MetricStore({"run": options.run, "rank": str(options.rank)})
         self.global_step = options.start_step
+        self._nonfinite_step: int | None = None  # see _first_nonfinite
+        self._batch: int | None = None  # the batch position of the step being submitted
         self._closed = False
         self._logged_errors: set[str] = set()
         self._handles: list[Any] = []
@@ -412,33 +414,66 @@ class Watch:
         return self.tracker.timer.step_end(host_seconds)
 
     def _submit_numerics(self) -> None:
+        # The values are read a step late on GPUs: each carries the step (and batch) it
+        # belongs to.
+        step = self.global_step
+        self._batch = self._position()
         taken = self._losses.take()
         if taken is not None:
             total, count = taken  # divided on the host once read: no extra tensor op per step
             if hasattr(total, "detach"):
-                self._reader.submit(total, lambda value: self._record_loss(value / count))
+                batch = self._batch
+                self._reader.submit(total, lambda value: self._record_loss(value / count, step,
+                                                                           batch))
             else:
-                self._record_loss(float(total) / count)
+                self._record_loss(float(total) / count, step, self._batch)
         norm, self._grad_norm_from_clip = self._grad_norm_from_clip, None
         if norm is not None and not self._skipping:  # an overflow the scaler skipped: not NaN
             if hasattr(norm, "detach"):
-                self._reader.submit(norm, self._record_grad_norm)
+                batch = self._batch
+                self._reader.submit(norm, lambda value: self._record_grad_norm(value, step,
+                                                                               batch))
             else:
-                self._record_grad_norm(float(norm))
+                self._record_grad_norm(float(norm), step, self._batch)
 
-    def _record_loss(self, value: float) -> None:
+    def _record_loss(self, value: float, step: int, batch: int | None = None) -> None:
         self.store.series(schema.LOSS, initial=value).set(value)
         if not is_finite(value):
             self._nonfinite_loss.inc()
+            self._first_nonfinite(step, batch)
         elif self._loss_spikes.update(value):  # created at the first spike: no series budget
             self.store.series(schema.LOSS_SPIKES).inc()
 
-    def _record_grad_norm(self, value: float) -> None:
+    def _record_grad_norm(self, value: float, step: int, batch: int | None = None) -> None:
         self.store.series(schema.GRAD_NORM, initial=value).set(value)
         if not is_finite(value):
             self._nonfinite_grad.inc()
+            self._first_nonfinite(step, batch)
         elif self._grad_norm_spikes.update(value):
             self.store.series(schema.GRAD_NORM_SPIKES).inc()
+
+    def _first_nonfinite(self, step: int, batch: int | None) -> None:
+        """Name the step (and batch) of this process's first non-finite value, once: the bridge
+        compares the step with the one where it recurs, or not, after a restart."""
+        if self._nonfinite_step is None or step < self._nonfinite_step:
+            self._nonfinite_step = step
+            self.store.series(schema.NONFINITE_FIRST_STEP).set(step)
+            if batch is not None:
+                self.store.series(schema.NONFINITE_FIRST_BATCH).set(batch)
+
+    @_guard("batch_position")
+    def _call_position(self) -> int | None:
+        value = self.options.batch_position() if self.options.batch_position else None
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+            raise TypeError(f"batch_position returned {value!r}, not an int")
+        return value
+
+    def _position(self) -> int | None:
+        """This step's batch position from the user's callable (None when not given or when it
+        failed: a hook error, never an exception in training)."""
+        if self.options.batch_position is None:
+            return None
+        return self._call_position()
 
     def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
         if phase == "start":
@@ -709,6 +744,11 @@ def watch(model: Any = None, optimizer: Any = None, **options: Any) -> Watch:
         (variable sequence lengths). It must be a Python number: a tensor would need a device
         synchronisation and is counted as a hook error. Publishes robust_model_flops_total, from
         which alert_rules/mfu.yml computes achieved FLOP/s and MFU (default None: no series).
+      batch_position: a callable taking no argument that returns where this step's batch is
+        in the data (a sample offset, a shard and index folded into one int), called once per
+        step; at the first non-finite value the hook publishes it as
+        robust_nonfinite_first_batch beside robust_nonfinite_first_step, so the bad batch can
+        be found (default None: not called).
 
     Raises TypeError or ValueError for bad options; nothing raised later reaches the training loop.
     """

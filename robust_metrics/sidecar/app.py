@@ -7,6 +7,10 @@
 - `POST /control/checkpoint[?at_step=N]` (or a JSON body `{"at_step": N}`): asks the ranks to run
   their checkpoint callback at the next step boundary (bearer token); answers 202 with the request id
   that the ranks acknowledge in `robust_checkpoint_request_id`.
+- `POST /control/selftest` (optional JSON body `{"quick": true, "checks": ["compute"],
+  "expect_digest": "...", "fleet_median_flops": 1e12}`): runs `robust-metrics selftest` as a
+  subprocess (bearer token; one at a time, 429 while one runs; 504 when it outlives
+  `--selftest-timeout`), answers 200 with its report and publishes it as `robust_selftest_*`.
 """
 
 from __future__ import annotations
@@ -31,8 +35,10 @@ from starlette.routing import Route
 from robust_metrics.rankfolder import control
 from robust_metrics.rankfolder.identity import RankIdentity
 from robust_metrics.rankfolder.proof import prove_rank
+from robust_metrics.sidecar import selftest as selftest_runner
 from robust_metrics.sidecar.auth import TokenFile, WebConfig
 from robust_metrics.sidecar.collector import ScrapeRegistry
+from robust_metrics.sidecar.collectors.selftest import SelftestCollector
 from robust_metrics.sidecar.config import SidecarConfig
 from robust_metrics.sidecar.rankdir import RankFolder
 
@@ -76,12 +82,15 @@ def _error(status: int, message: str, headers: dict[str, str] | None = None) -> 
 
 def create_app(config: SidecarConfig, registry: ScrapeRegistry, folder: RankFolder, *,
                token: TokenFile | None = None, web: WebConfig | None = None,
-               on_close: Callable[[], None] | None = None) -> Starlette:
-    """The sidecar's Starlette app; `on_close` runs at shutdown (collector threads, locks)."""
+               on_close: Callable[[], None] | None = None,
+               selftest: SelftestCollector | None = None) -> Starlette:
+    """The sidecar's Starlette app; `on_close` runs at shutdown (collector threads, locks);
+    `selftest` publishes the reports of `POST /control/selftest` (None: answered, not published)."""
     prom_registry = CollectorRegistry(auto_describe=False)
     prom_registry.register(registry)  # type: ignore[arg-type]
     basic = web.basic_auth if web else None
     stack_slot = threading.Semaphore(1)
+    selftest_slot = threading.Semaphore(1)
 
     def bearer_denied(request: Request) -> Response | None:
         if token is None:
@@ -111,7 +120,7 @@ def create_app(config: SidecarConfig, registry: ScrapeRegistry, folder: RankFold
     async def index(request: Request) -> Response:
         return PlainTextResponse(
             "robust-metrics sidecar\n/metrics\n/healthz\n/debug/stacks (bearer token)\n"
-            "/control/checkpoint (POST, bearer token)\n")
+            "/control/checkpoint (POST, bearer token)\n/control/selftest (POST, bearer token)\n")
 
     async def stacks(request: Request) -> Response:
         denied = bearer_denied(request)
@@ -180,6 +189,37 @@ def create_app(config: SidecarConfig, registry: ScrapeRegistry, folder: RankFold
                              "ranks": [{"run": r, "rank": k, "pid": p} for r, k, p in ranks]},
                             status_code=202)
 
+    async def run_selftest(request: Request) -> Response:
+        denied = bearer_denied(request)
+        if denied is not None:
+            return denied
+        raw = await request.body()
+        try:
+            body = json.loads(raw) if raw.strip() else None
+        except ValueError:
+            return _error(400, "the body must be JSON, e.g. {\"quick\": true}")
+        try:
+            wanted = selftest_runner.parse_request(body)
+        except ValueError as exc:
+            return _error(400, str(exc))
+        if not selftest_slot.acquire(blocking=False):
+            return _error(429, "a self-test is already running on this node; retry when it ends")
+        argv = selftest_runner.command(config.node, wanted, config.selftest_args)
+        try:
+            report = await run_in_threadpool(selftest_runner.run_selftest, argv,
+                                             config.selftest_timeout)
+        except selftest_runner.SelftestTimeout as exc:
+            return _error(504, str(exc))
+        except (selftest_runner.SelftestError, OSError) as exc:
+            return _error(503, f"the self-test could not run: {exc}")
+        finally:
+            selftest_slot.release()
+        if selftest is not None:
+            selftest.publish(report)
+        log.info("self-test of node %s: %s%s", config.node, report.verdict,
+                 f" (failed: {', '.join(report.failed)})" if report.failed else "")
+        return JSONResponse(report.to_dict())
+
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         yield
@@ -192,6 +232,7 @@ def create_app(config: SidecarConfig, registry: ScrapeRegistry, folder: RankFold
         Route("/healthz", healthz),
         Route("/debug/stacks", stacks),
         Route("/control/checkpoint", checkpoint, methods=["POST"]),
+        Route("/control/selftest", run_selftest, methods=["POST"]),
     ]
     return Starlette(routes=routes, lifespan=lifespan)
 

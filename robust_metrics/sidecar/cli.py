@@ -85,6 +85,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--collector-timeout", type=float, default=5.0,
                         help="seconds a scrape waits for a collector before reporting it failed "
                              "(keep below Prometheus's scrape_timeout)")
+    parser.add_argument("--selftest-timeout", type=float, default=300.0,
+                        help="seconds POST /control/selftest lets `robust-metrics selftest` run "
+                             "before killing it")
+    parser.add_argument("--selftest-arg", dest="selftest_args", action="append", default=[],
+                        metavar="ARG", help="an option passed on to `robust-metrics selftest` "
+                        "(e.g. --selftest-arg=--history=/var/lib/robust-metrics/flops.json); "
+                        "repeatable")
     parser.add_argument("--log-level", default="info",
                         choices=["debug", "info", "warning", "error"])
     add_collector_flags(parser)
@@ -101,7 +108,8 @@ def _config(args: argparse.Namespace) -> SidecarConfig:
         merge_after=args.merge_after, retention=args.retention,
         stacks_timeout=args.stacks_timeout, nvml_retry=args.nvml_retry,
         collector_timeout=args.collector_timeout, gpu_peak_dtype=args.gpu_peak_dtype,
-        gpu_peak_flops=list(args.gpu_peak_flops))
+        gpu_peak_flops=list(args.gpu_peak_flops), selftest_timeout=args.selftest_timeout,
+        selftest_args=list(args.selftest_args))
     config.validate()
     return config
 
@@ -144,7 +152,8 @@ def build(config: SidecarConfig):
                     closer()
         folder.close()
 
-    app = create_app(config, registry, folder, token=token, web=web, on_close=close)
+    app = create_app(config, registry, folder, token=token, web=web, on_close=close,
+                     selftest=collectors.get("selftest"))  # type: ignore[arg-type]
     return app, folder, web
 
 

@@ -57,6 +57,8 @@ class SidecarConfig:
     collector_timeout: float = 5.0
     gpu_peak_dtype: str = "bf16"
     gpu_peak_flops: list[str] = field(default_factory=list)
+    selftest_timeout: float = 300.0
+    selftest_args: list[str] = field(default_factory=list)
 
     def validate(self) -> None:
         if not self.directory:
@@ -64,12 +66,14 @@ class SidecarConfig:
         if not self.node or any(c in self.node for c in '\n"\\'):
             raise ConfigError(f"--node {self.node!r}: must be a non-empty label value")
         for name in ("nccl_interval", "merge_after", "retention", "stacks_timeout", "nvml_retry",
-                     "collector_timeout"):
+                     "collector_timeout", "selftest_timeout"):
             value = getattr(self, name)
             if not isinstance(value, int | float) or value < 0:
                 raise ConfigError(f"--{name.replace('_', '-')} {value!r}: must be seconds >= 0")
-        if self.nccl_interval <= 0 or self.stacks_timeout <= 0 or self.collector_timeout <= 0:
-            raise ConfigError("--nccl-interval, --stacks-timeout and --collector-timeout must be > 0")
+        if self.nccl_interval <= 0 or self.stacks_timeout <= 0 or self.collector_timeout <= 0 \
+                or self.selftest_timeout <= 0:
+            raise ConfigError("--nccl-interval, --stacks-timeout, --collector-timeout and "
+                              "--selftest-timeout must be > 0")
         from robust_metrics.sidecar.gpu_peaks import DTYPES, parse_overrides
 
         if self.gpu_peak_dtype not in DTYPES:
