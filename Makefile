@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: test demo lint system-deps dashboards rules bench clean
+.PHONY: test test-unit demo lint system-deps dashboards rules bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,8 +21,16 @@ system-deps:
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
+# Two passes: the tests that start no real-time processes on TEST_WORKERS workers, then the
+# integration tests (real Prometheus, ranks, timing) one at a time, as their timing assumes.
+# Exit status 5 is "no test selected" (PYTEST_ARGS may name tests of one kind only).
+TEST_WORKERS ?= 2
 test: $(STAMP) system-deps lint
-	$(VENV)/bin/pytest -q --durations=15 $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not integration" --durations=15 $(PYTEST_ARGS) || [ $$? -eq 5 ]
+	$(VENV)/bin/pytest -q -m integration --durations=15 $(PYTEST_ARGS) || [ $$? -eq 5 ]
+
+test-unit: $(STAMP) lint
+	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not integration" --durations=15 $(PYTEST_ARGS)
 
 demo: $(STAMP) system-deps
 	$(VENV)/bin/robust-metrics demo $(DEMO_ARGS)
