@@ -13,6 +13,7 @@ Runs each check in its own process with a time limit and prints a verdict table:
 | streams | FSDP2's stream pattern on 1 GPU: the step's wait for a late side-stream all-gather is blocked |
 | fsdp2 | 2 NCCL ranks of `parallel_job --stack fsdp2 --device cuda`, rank 1 1.3x slower: named |
 | pp | the same with a 2-stage GPipe pipeline (P2P works waited on the compute stream) |
+| selftest | `selftest --quick`: compute on the GPU, bit-identical across repeats; NVML health passes |
 
 Exit status 0 when every check passes, 1 when one fails, 2 when there is no GPU (nothing ran).
 Needs a CUDA build of torch and NCCL; 1 GPU runs every check but `fsdp2` and `pp`, which need 2
@@ -34,9 +35,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-CHECKS = ("nvml", "events", "nccl", "nosync", "streams", "fsdp2", "pp")
-# seconds per check, start-up included: 290 s in all
-LIMITS = {"nvml": 30, "events": 40, "nccl": 40, "nosync": 40, "streams": 40, "fsdp2": 50, "pp": 50}
+CHECKS = ("nvml", "events", "nccl", "nosync", "streams", "fsdp2", "pp", "selftest")
+# seconds per check, start-up included: 295 s in all
+LIMITS = {"nvml": 20, "events": 35, "nccl": 35, "nosync": 40, "streams": 40, "fsdp2": 50, "pp": 50,
+          "selftest": 25}
 
 
 @dataclass
@@ -401,9 +403,35 @@ def check_pp() -> Verdict:
     return _straggler_job("pp", ["--stack", "pp", "--schedule", "gpipe"])
 
 
+def judge_selftest(report: dict[str, Any]) -> Verdict:
+    """PASS when no check failed, the compute check ran on a GPU and NVML's health check passed
+    (a check that runs on the CPU or is skipped proves nothing about the GPU path)."""
+    results = {r["check"]: r for r in report.get("results", [])}
+    compute, gpu = results.get("compute", {}), results.get("gpu", {})
+    figures = "; ".join(f"{name} {r['verdict']}: {r['detail']}" for name, r in results.items())
+    if report.get("verdict") == "fail":
+        return Verdict("selftest", "FAIL", figures)
+    device = compute.get("data", {}).get("device", "")
+    if compute.get("verdict") != "pass" or not str(device).startswith("cuda"):
+        return Verdict("selftest", "FAIL", f"the compute check did not pass on a GPU: {figures}")
+    if gpu.get("verdict") != "pass":
+        return Verdict("selftest", "FAIL", f"the NVML health check did not pass: {figures}")
+    return Verdict("selftest", "PASS", figures)
+
+
+def check_selftest() -> Verdict:
+    done = subprocess.run([sys.executable, "-m", "robust_metrics", "selftest", "--quick", "--json"],
+                          capture_output=True, text=True, timeout=LIMITS["selftest"] - 2)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if not lines:
+        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        return Verdict("selftest", "FAIL", f"exit {done.returncode}: {tail}")
+    return judge_selftest(json.loads(lines[-1]))
+
+
 RUNNERS: dict[str, Callable[[], Verdict]] = {
     "nvml": check_nvml, "events": check_events, "nccl": check_nccl, "nosync": check_nosync,
-    "streams": check_streams, "fsdp2": check_fsdp2, "pp": check_pp}
+    "streams": check_streams, "fsdp2": check_fsdp2, "pp": check_pp, "selftest": check_selftest}
 
 
 def run_one(name: str) -> Verdict:

@@ -69,6 +69,20 @@ def test_a_straggler_job_passes_only_when_the_slowed_rank_alone_stands_out() -> 
     assert judge_straggler("pp", [0.0, 0.0], 1, 0, [20, 20], 20).verdict == "FAIL"
 
 
+def test_the_selftest_row_passes_only_a_gpu_compute_check_and_healthy_nvml() -> None:
+    def report(device: str = "cuda", gpu: str = "pass", verdict: str = "pass") -> dict:
+        return {"verdict": verdict, "results": [
+            {"check": "compute", "verdict": "pass", "detail": "3 repeats identical",
+             "data": {"device": device}},
+            {"check": "gpu", "verdict": gpu, "detail": "no XID, ECC or throttle"}]}
+
+    assert gpu_check.judge_selftest(report()).verdict == "PASS"
+    assert gpu_check.judge_selftest(report(device="cpu")).verdict == "FAIL"
+    assert gpu_check.judge_selftest(report(gpu="skipped")).verdict == "FAIL"
+    failed = gpu_check.judge_selftest(report(verdict="fail"))
+    assert failed.verdict == "FAIL" and "compute pass" in failed.detail
+
+
 def test_every_check_has_a_limit_and_all_fit_in_5_minutes() -> None:
     assert set(gpu_check.LIMITS) == set(gpu_check.CHECKS)
     assert sum(gpu_check.LIMITS.values()) < 300
