@@ -9,7 +9,9 @@ For each job, as of its last step (the hook's own timestamp):
   evaluation interval;
 - hang is the stall beyond the job's own step time (the stalled step took the stall plus one step
   time) within one scrape interval plus one evaluation, and nothing else is hang;
-- the productive share equals ETTR within 2 points;
+- the productive share equals ETTR within 2 points plus the breakdown's resolution (each
+  evaluation gives its whole interval to one cause: one evaluation is 2 points of a 50 s job,
+  nothing of a day-long one);
 and nothing accrues once the sidecar has seen its ranks end normally.
 """
 
@@ -120,7 +122,7 @@ def _check(prom: PrometheusServer, case: Case) -> None:
     assert sum(causes.values()) == pytest.approx(wall, abs=EVAL_S), report
     assert causes.get("hang", 0) == pytest.approx(stall, abs=SCRAPE_S + EVAL_S), report
     assert causes.get("restart", 0) == causes.get("recomputed", 0) == 0, report
-    assert productive == pytest.approx(ettr, abs=0.02), report
+    assert productive == pytest.approx(ettr, abs=0.02 + EVAL_S / wall), report
     # after the end: nothing more accrues (at most the evaluations between close() and exit)
     after = sum(_causes(prom, case.run, time.time()).values())
     assert after - sum(causes.values()) < 3 * EVAL_S, (after, report, _timeline(prom, case, at))
