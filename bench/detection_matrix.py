@@ -504,7 +504,7 @@ def summarize(results: list[Trial], chosen: list[Fault]) -> dict[str, Any]:
             "rank": fault.rank, "trials": len(trials),
             "detected": sum(r.detected for r in trials) if fault.expected else None,
             "right_rank": (sum(bool(r.right_rank) for r in trials)
-                           if fault.rank is not None else None),
+                           if fault.rank is not None and fault.expected else None),
             "latency_s": latencies,
             "false_alerts": sorted({a for r in trials for a in r.false_alerts}),
             "false_alert_count": sum(len(r.false_alerts) for r in trials),
