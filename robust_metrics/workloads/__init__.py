@@ -13,7 +13,7 @@
 
 Anyone who wants to see an alert fire on their own Prometheus can run them too
 (`python -m robust_metrics.workloads.fault_job --help`). `FAULT_JOB` is the fault job's path, for
-`robust_metrics.processes.RankJob(script=FAULT_JOB)`. They need torch.
+`robust_metrics.processes.RankJob(script=FAULT_JOB)`. The jobs need torch.
 """
 
 from __future__ import annotations
