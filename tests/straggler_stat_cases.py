@@ -88,6 +88,10 @@ CASES = [
          "for 2m30s after it (the test starts afresh), then named again", "g",
          Scenario(ranks=8, minutes=14, slow={1: (1.1, 0.0)}, pause=(360.0, 540.0), seed=7),
          silent=[(15, 180), (375, 675)], named=[(300, 1, "1.10"), (825, 1, "1.11")]),
+    Case("the same through an eval phase (6m-8m): silent while it lasts", "j",
+         Scenario(ranks=8, minutes=9, slow={1: (1.1, 0.0)}, pause=(360.0, 480.0),
+                  pause_phase="eval", seed=10),
+         silent=[(15, 180), (375, 540)], named=[(285, 1, "1.10")]),
     Case("a tiny model: 2 ms of compute in 1 s steps, one rank 2x slower; the excess is 0.2% "
          "of a step, under the 3% the test needs", "h",
          Scenario(ranks=8, minutes=10, base=0.002, transfer=0.998, slow={1: (2.0, 0.0)},

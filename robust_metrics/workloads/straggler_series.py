@@ -34,8 +34,8 @@ class Scenario:
     computes `factor` times longer. `contention` = (factor, period_s, from_s): from `from_s` on,
     one rank at a time computes `factor` times longer, a different one each `period_s` (rank k
     in period k, cycling), as CPU contention that moves between ranks does. `pause` =
-    (from_s, to_s): no steps, every rank in the `checkpoint` phase (a checkpoint that every
-    rank waits for).
+    (from_s, to_s): no steps, every rank in the `pause_phase` phase (a checkpoint or an
+    evaluation that every rank takes part in).
     """
 
     ranks: int
@@ -47,6 +47,7 @@ class Scenario:
     slow_until: float = math.inf
     contention: tuple[float, float, float] | None = None
     pause: tuple[float, float] | None = None
+    pause_phase: str = "checkpoint"
     seed: int = 0
 
     def slowdown(self, rank: int, t: float) -> float:
@@ -154,7 +155,7 @@ def promtool_series(scenario: Scenario, run: str) -> list[dict[str, str]]:
             ("robust_last_step_timestamp_seconds", [s.last_step for s in rows], 3),
         ):
             out.append({"series": f"{name}{{{labels}}}", "values": _values(numbers, digits)})
-        for phase, on in (("train", False), ("checkpoint", True)):
+        for phase, on in (("train", False), (scenario.pause_phase, True)):
             flags = [float(s.paused == on) for s in rows]
             out.append({"series": f'robust_phase{{{labels},phase="{phase}"}}',
                         "values": _values(flags, 0)})
