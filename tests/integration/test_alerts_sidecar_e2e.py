@@ -199,7 +199,7 @@ def test_a_1_3x_straggler_is_named_by_its_compute_time(stack: dict[str, Any], wh
         t0 = time.monotonic()
         fired = wait_firing(prom, run, "SlowRank", 60, job)
         print(f"\n1.3x {where} straggler: SlowRank {time.monotonic() - t0:.1f}s after 5 steps "
-              f"(formula at 1/15 scale: (60 x 0.2 / 0.3 + 30 + 15 + 15) / 15 = 6.7 s)")
+              f"(formula at 1/15 scale: (60 x 0.2 / 0.3 + 45 + 15 + 15) / 15 = 7.7 s)")
         assert fired["labels"]["rank"] == str(slow), fired
         assert float(fired["value"]) > 1.2
         time.sleep(2)
