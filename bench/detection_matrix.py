@@ -167,9 +167,12 @@ AFTER_END_S = 2.5  # one scrape, one evaluation and a poll: an alert first seen 
 
 class Bench:
     def __init__(self, folder: Path, prom: Prometheus, metrics: Path, sysfs: Path,
-                 bridge: MatrixBridge | None = None) -> None:
+                 bridge: MatrixBridge | None = None, interval_s: float = 1.0) -> None:
         self.folder, self.prom, self.metrics, self.sysfs = folder, prom, metrics, sysfs
         self.bridge = bridge
+        # every wait of the bench is in scrape intervals: 1 s here, 15 s at the defaults
+        self.k = interval_s
+        self.after_end = AFTER_END_S * interval_s
 
     # -- observing -------------------------------------------------------------------------
     def firing(self, run: str) -> list[dict[str, Any]]:
@@ -187,7 +190,8 @@ class Bench:
             result = self.prom.query(query)
             return bool(result) and float(result[0]["value"][1]) == WORLD
         try:
-            wait_for(stepping, timeout=120, interval=0.5, message=f"{run} stepping")
+            wait_for(stepping, timeout=120 * max(1.0, self.k / 4), interval=0.5,
+                     message=f"{run} stepping")
         except TimeoutError as exc:
             raise RuntimeError(f"{exc}\n{job.logs() if job else ''}") from None
 
@@ -235,6 +239,8 @@ class Bench:
         try:
             if fault.steps_first:
                 self.wait_stepping(run, job, fault.steps_first)
+                if self.k > 1:  # the step-time medians need a few scrapes of history
+                    time.sleep(4 * self.k)
             if fault.stall_factor:
                 self._stall_that_ends(run, job, fault, result, seen)
             elif fault.inject == "late":
@@ -288,8 +294,8 @@ class Bench:
         finally:
             os.kill(pid, signal.SIGCONT)
         result.ended_at = time.time()
-        self._detected(fault, seen, t0, result, before=result.ended_at + AFTER_END_S)
-        self.watch(run, seen, result.ended_at + 15)
+        self._detected(fault, seen, t0, result, before=result.ended_at + self.after_end)
+        self.watch(run, seen, result.ended_at + 15 * self.k)
 
     def _late_start(self, run: str, job: RankJob, fault: Fault, result: Trial,
                     seen: dict[str, dict[str, Any]]) -> None:
@@ -299,10 +305,11 @@ class Bench:
             self.watch(run, seen, time.time() + 0.5)
             got = self.prom.query(f'count(robust_steps_total{{run="{run}"}} > 0)')
             return bool(got) and float(got[0]["value"][1]) == WORLD
-        wait_for(all_step, timeout=fault.timeout + 60, interval=0.1, message="late rank steps")
+        wait_for(all_step, timeout=(fault.timeout + 60) * self.k, interval=0.1,
+                 message="late rank steps")
         result.ended_at = time.time()
-        self._detected(fault, seen, t0, result, before=result.ended_at + AFTER_END_S)
-        self.watch(run, seen, result.ended_at + 15)
+        self._detected(fault, seen, t0, result, before=result.ended_at + self.after_end)
+        self.watch(run, seen, result.ended_at + 15 * self.k)
 
     @staticmethod
     def _detected(fault: Fault, seen: dict[str, dict[str, Any]], t0: float, result: Trial,
@@ -381,33 +388,32 @@ class Bench:
 
     def _watch_positive(self, run: str, fault: Fault, t0: float, result: Trial,
                         seen: dict[str, dict[str, Any]]) -> None:
-        deadline = time.time() + fault.timeout
+        deadline = time.time() + fault.timeout * self.k
         while time.time() < deadline and not result.detected:
             self.watch(run, seen, time.time() + 0.25)
             self._detected(fault, seen, t0, result, before=float("inf"))
         if result.detected:
-            self.watch(run, seen, time.time() + 3)  # the companions that follow
+            self.watch(run, seen, time.time() + 3 * self.k)  # the companions that follow
 
     def _watch_negative(self, run: str, job: RankJob, fault: Fault,
                         seen: dict[str, dict[str, Any]]) -> None:
-        deadline = time.time() + fault.timeout
+        deadline = time.time() + fault.timeout * self.k
         ended = None
-        while time.time() < deadline and (ended is None or time.time() < ended + 5):
+        while time.time() < deadline and (ended is None or time.time() < ended + 5 * self.k):
             self.watch(run, seen, time.time() + 0.25)
             if ended is None and all(p.poll() is not None for p in job.procs):
                 ended = time.time()
         if ended is None:
             raise RuntimeError("the job did not end in time")
 
-    @staticmethod
-    def _classify(fault: Fault, seen: dict[str, dict[str, Any]], result: Trial) -> None:
+    def _classify(self, fault: Fault, seen: dict[str, dict[str, Any]], result: Trial) -> None:
         for alert in seen.values():
             labels = alert["labels"]
             name = labels["alertname"]
             tag = name + (f"(rank {labels['rank']})" if "rank" in labels else "")
             right = fault.expects(labels)
             late = (result.ended_at is not None
-                    and alert.get("first_seen", 0.0) > result.ended_at + AFTER_END_S)
+                    and alert.get("first_seen", 0.0) > result.ended_at + self.after_end)
             if late:
                 result.false_alerts.append(f"{tag} after the end")
             elif right or name in fault.companions or tag in fault.companions:
@@ -498,7 +504,7 @@ def summarize(results: list[Trial], chosen: list[Fault]) -> dict[str, Any]:
             "rank": fault.rank, "trials": len(trials),
             "detected": sum(r.detected for r in trials) if fault.expected else None,
             "right_rank": (sum(bool(r.right_rank) for r in trials)
-                           if fault.rank is not None else None),
+                           if fault.rank is not None and fault.expected else None),
             "latency_s": latencies,
             "false_alerts": sorted({a for r in trials for a in r.false_alerts}),
             "false_alert_count": sum(len(r.false_alerts) for r in trials),
@@ -538,6 +544,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="length of the healthy run (240 s at 1/15 = 1 hour at the defaults)")
     p.add_argument("--out", default="", help="write the results as JSON here")
     p.add_argument("--seed", type=int, default=13)
+    p.add_argument("--interval", type=float, default=1.0,
+                   help="scrape and evaluation interval in seconds; the rules are scaled by "
+                        "interval / 15 s and every wait of the bench by the interval (15: the "
+                        "defaults, unscaled)")
     p.add_argument("--keep", action="store_true",
                    help="keep the working folder (logs, configs, databases) and print its path")
     args = p.parse_args(argv)
@@ -555,8 +565,10 @@ def main(argv: list[str] | None = None) -> int:
     shutil.copytree(ROOT / "tests" / "fixtures" / "sysfs", sysfs)
     net = sysfs / "class" / "net" / "eth1"
     (net / "carrier").write_text("1\n")  # up, so that the flap is a change
-    rule_file = folder / "rules-1s.yml"
-    rule_file.write_text(rules.render(rules.load_groups(time_scale=1 / 15)))
+    if not 0 < args.interval <= 60:
+        p.error(f"--interval {args.interval:g}: must be in (0, 60] seconds")
+    rule_file = folder / f"rules-{args.interval:g}s.yml"
+    rule_file.write_text(rules.render(rules.load_groups(time_scale=args.interval / 15)))
     results: list[Trial] = []
     started = time.time()
     side = sidecar(metrics, ["--node", NODE, "--path.sysfs", str(sysfs)],
@@ -565,8 +577,9 @@ def main(argv: list[str] | None = None) -> int:
     matrix_bridge = MatrixBridge(folder, metrics, f"http://127.0.0.1:{prom_port}", bridge_port)
     with side, matrix_bridge.service, Prometheus(
             folder / "prometheus", [side.url.removeprefix("http://"), f"127.0.0.1:{bridge_port}"],
-            rule_files=[rule_file], port=prom_port) as prom:
-        bench = Bench(folder, prom, metrics, sysfs, matrix_bridge)
+            rule_files=[rule_file], port=prom_port, scrape_interval=f"{args.interval:g}s",
+            evaluation_interval=f"{args.interval:g}s") as prom:
+        bench = Bench(folder, prom, metrics, sysfs, matrix_bridge, interval_s=args.interval)
         for trial in range(args.trials):
             for fault in chosen:
                 result = bench.run_trial(fault, trial)
@@ -574,6 +587,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(json.dumps(result.__dict__), flush=True)
     summary = summarize(results, chosen)
     summary["wall_seconds"] = round(time.time() - started)
+    summary["interval_s"] = args.interval
     summary["date"] = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     print(markdown(summary))
     print(f"precision {summary['precision']}, recall {summary['recall']}, "

@@ -333,15 +333,29 @@ RANK_FINISHED = _declare(
 )
 RANK_EXIT_TIMESTAMP = _declare(
     "robust_rank_exit_timestamp_seconds", G,
-    "Unix time at which the sidecar saw the rank's process exit (only for exited processes); "
-    "the earliest exit of a run names the rank that failed first.", source=SIDECAR, unit="seconds",
-    on_event=True,
+    "Unix time at which the rank's process exited (only for exited processes): when the rank "
+    "wrote that an exception ended it, else when the sidecar saw the exit; the earliest exit of a "
+    "run names the rank that failed first. `pid` tells one process's exit from the next one's of "
+    "the same rank (a restart that fails again before any scrape saw it alive).",
+    labels=(*RANK_LABELS, "pid"), source=SIDECAR, unit="seconds", on_event=True,
 )
 RANK_EXIT_GLOBAL_STEP = _declare(
     "robust_rank_exit_global_step", G,
     "The global step an exited rank had reached, read from its files after its exit (only for "
     "exited processes): the step evidence of a crash, which no scrape may have caught alive.",
     source=SIDECAR, on_event=True,
+)
+RANK_EXIT_START_STEP = _declare(
+    "robust_rank_exit_start_step", G,
+    "The step an exited rank had started from (robust_start_step), read from its files after its "
+    "exit (only for exited processes that stepped): where a restart that failed again before any "
+    "scrape saw it resumed.", source=SIDECAR, on_event=True,
+)
+RANK_EXIT_LAST_STEP_TIMESTAMP = _declare(
+    "robust_rank_exit_last_step_timestamp_seconds", G,
+    "Unix time of an exited rank's last completed step, read from its files after its exit (only "
+    "for exited processes that stepped): proof that a restarted run trained, on the rank's clock, "
+    "when no scrape caught it alive.", source=SIDECAR, unit="seconds", on_event=True,
 )
 RANK_STEP_AGE = _declare(
     "robust_rank_step_age_seconds", G,

@@ -97,12 +97,12 @@ class FakePrometheus:
         if promql.startswith("max(robust_global_step"):
             assert f"> {self.acted:.3f}" in promql  # only processes that stepped since
             return [value(self.step_after)]
+        if promql.startswith("max(label_replace(robust_last_step_timestamp_seconds"):
+            return [{"metric": {}, "values": [[self.acted + 5, str(self.acted + 4)]]}]
+        if promql.startswith("min(label_replace((robust_start_step"):
+            return [{"metric": {}, "values": [[self.acted + 5, "100"]]}]
         if promql.startswith("max(label_replace"):  # highest step before the restart
             return [value(121)]
-        if promql.startswith("max(robust_last_step_timestamp_seconds"):
-            return [{"metric": {}, "values": [[self.acted + 5, str(self.acted + 4)]]}]
-        if promql.startswith("min(robust_start_step"):
-            return [{"metric": {}, "values": [[self.acted + 5, "100"]]}]
         raise AssertionError(f"unexpected query {promql}")
 
 

@@ -6,6 +6,7 @@ import math
 import os
 import signal
 import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -480,9 +481,12 @@ def test_close_marks_the_identity_finished_and_an_exception_does_not(
     identity = tmp_path / "ranks" / f"{os.getpid()}.json"
     handle = start(watched, backend="multiprocess", metrics_dir=str(tmp_path))
     assert "finished" not in json.loads(identity.read_text())
+    before = time.time()
     with pytest.raises(RuntimeError), handle:
         raise RuntimeError("a crash inside the with block")
-    assert "finished" not in json.loads(identity.read_text())
+    data = json.loads(identity.read_text())
+    assert "finished" not in data
+    assert before <= data["crashed"] <= time.time()  # when it failed, on the rank's clock
 
     second = tmp_path / "second"
     handle = start(watched, backend="multiprocess", metrics_dir=str(second))
@@ -534,6 +538,30 @@ def test_a_broken_flops_callable_never_reaches_training(watched: tuple) -> None:
     # step 1 counts; a tensor and a NaN are refused; step 4's callable raises
     assert value(handle, "robust_model_flops_total") == 1e9
     assert value(handle, "robust_hook_errors_total", where="flops") == 3
+
+
+def test_an_uncaught_exception_at_interpreter_exit_writes_when_the_rank_crashed(
+        tmp_path: Path) -> None:
+    """No `with`, no close(): the exit handler finds the exception that ended the program and
+    writes the crash time, which the sidecar orders a run's failures by."""
+    import json
+
+    script = ("import time, torch, robust_metrics\n"
+              "model = torch.nn.Linear(2, 2)\n"
+              "robust_metrics.watch(model, torch.optim.SGD(model.parameters(), lr=0.1),\n"
+              f"    backend='multiprocess', metrics_dir={str(tmp_path)!r}, run='r', rank=0,\n"
+              "    world_size=1)\n"
+              "print(time.time(), flush=True)\n"
+              "raise RuntimeError('injected')\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 1 and "injected" in proc.stderr, proc.stderr[-2000:]
+    raised_after = float(proc.stdout.split()[-1])
+    identities = list((tmp_path / "ranks").glob("*.json"))
+    assert len(identities) == 1
+    data = json.loads(identities[0].read_text())
+    assert "finished" not in data
+    assert raised_after <= data["crashed"] <= raised_after + 10, data
 
 
 def test_squared_compute_sums_the_squares_of_the_steps_compute(watched: tuple) -> None:  # type: ignore[type-arg]

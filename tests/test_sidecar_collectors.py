@@ -468,10 +468,12 @@ def test_process_collector_sees_stop_normal_end_and_exit_time(tmp_path: Path) ->
         killed_at = time.time()
         procs[2].wait()
         time.sleep(1.0)  # the next scrape comes a second later
-        exited = sample(registry, "robust_rank_exit_timestamp_seconds", run="r", rank="2")
+        exited = sample(registry, "robust_rank_exit_timestamp_seconds", run="r", rank="2",
+                        pid=str(procs[2].pid))
         assert exited is not None and abs(exited - killed_at) < 0.5, (exited, killed_at)
         assert sample(registry, "robust_rank_process_alive", run="r", rank="2") == 0
-        assert sample(registry, "robust_rank_exit_timestamp_seconds", run="r", rank="0") is None
+        assert sample(registry, "robust_rank_exit_timestamp_seconds", run="r", rank="0",
+                      pid=str(procs[0].pid)) is None
         assert sample(registry, "robust_rank_finished", run="r", rank="2") is None  # a crash
 
         # SIGTERM (a launcher stopping survivors, a cancelled job) is a stop on request
@@ -487,6 +489,41 @@ def test_process_collector_sees_stop_normal_end_and_exit_time(tmp_path: Path) ->
                 os.kill(proc.pid, signal.SIGCONT)
             proc.kill()
             proc.wait()
+
+
+def test_a_rank_that_says_when_an_exception_ended_it_is_ordered_by_that_time(
+        tmp_path: Path) -> None:
+    """Two ranks die before any scrape saw them alive (a crash at start-up): the sidecar notices
+    both in one scrape, so only the time the crashed rank wrote orders it before the peer that
+    died of it. A written time before the rank's start or after the exit the sidecar saw is the
+    job's claim, not a time: ignored. The pid label tells the exit of one process of a rank
+    from the next one's."""
+    started = time.time() - 30
+    (tmp_path / "ranks").mkdir()
+    procs = [subprocess.Popen([sys.executable, "-c", "pass"]) for _ in range(4)]
+    for proc in procs:
+        proc.wait()
+    claims = {0: None, 1: started + 10, 2: started - 5, 3: time.time() + 3600}
+    for rank, (proc, crashed) in enumerate(zip(procs, claims.values(), strict=True)):
+        identity: dict[str, object] = {"run": "r", "rank": rank, "started": started}
+        if crashed is not None:
+            identity["crashed"] = crashed
+        (tmp_path / "ranks" / f"{proc.pid}.json").write_text(json.dumps(identity))
+    folder = RankFolder(str(tmp_path), cache_seconds=0)
+    collector = ProcessCollector(folder)
+    try:
+        seen = time.time()
+        registry = registry_of(process=collector)
+        exits = {rank: sample(registry, "robust_rank_exit_timestamp_seconds", run="r",
+                              rank=str(rank), pid=str(proc.pid))
+                 for rank, proc in enumerate(procs)}
+        assert exits[1] == started + 10
+        for rank in (0, 2, 3):  # no claim, a claim before the start, a claim in the future
+            assert exits[rank] is not None and abs(exits[rank] - seen) < 2, (rank, exits)
+        assert sample(registry, "robust_rank_finished", run="r", rank="1") is None
+    finally:
+        collector.exits.close()
+        folder.close()
 
 
 def _connector_or_skip() -> None:
@@ -516,8 +553,9 @@ def test_exit_signal_survives_a_parent_that_reaps_at_once(tmp_path: Path, how: s
                                              rank=str(r)) == 1, timeout=5, message="alive")
             getattr(proc, how)()
             proc.wait()  # the fastest reaper there is: waitpid blocks until the exit
-            wait_until(lambda r=rank: sample(registry, "robust_rank_exit_timestamp_seconds",
-                                             run="r", rank=str(r)) is not None,
+            wait_until(lambda r=rank, p=proc.pid: sample(
+                registry, "robust_rank_exit_timestamp_seconds", run="r", rank=str(r),
+                pid=str(p)) is not None,
                        timeout=5, message="exit seen")
             finished = sample(registry, "robust_rank_finished", run="r", rank=str(rank))
             assert finished == (1 if how == "terminate" else None), (rank, finished)

@@ -11,7 +11,9 @@ alert, the ranks and nodes it named (labels and the stack analysis' suspects), a
   chain without one;
 - **recovered**: the run's first step after a restart, the smallest step timestamp newer than
   `acted` that Prometheus scraped (exact when a scrape falls between the first and the second
-  step after the restart; otherwise late by less than one scrape interval);
+  step after the restart; otherwise late by less than one scrape interval); for a restarted
+  run that failed again before any scrape saw it alive, its last step before that exit, which
+  the sidecar read from the dead rank's files;
 - **over-eviction**: the note says how many nodes a drain of every suspect's node took;
 - **self-test**: each tested node's verdict (`pass`, `fail`, `skipped`, `error` for a sidecar
   that did not answer), its failed checks, why, and whether it was drained (`selftest`); a node
@@ -26,7 +28,8 @@ alert, the ranks and nodes it named (labels and the stack analysis' suspects), a
   the first reporting rank and its node;
 - **lost steps**: the highest step before the restart minus the step the run resumed from
   (`robust_start_step` of the ranks that stepped after the restart: the hook publishes the
-  restored step at `watch()` or `set_step()`, so it does not matter which step a scrape catches).
+  restored step at `watch()` or `set_step()`, so it does not matter which step a scrape catches;
+  the sidecar keeps it for a rank that died before any scrape saw it).
 
 The parts that compute (`named`, `acted_at`, `outcome_of`, `progress_after`) are pure functions
 over the log and over query answers; `Ledger` reads Prometheus, writes the rows, updates the
@@ -67,6 +70,8 @@ LAST_STEP = schema.LAST_STEP_TIMESTAMP.name
 GLOBAL_STEP = schema.GLOBAL_STEP.name
 EXIT_STEP = schema.RANK_EXIT_GLOBAL_STEP.name
 START_STEP = schema.START_STEP.name
+EXIT_START_STEP = schema.RANK_EXIT_START_STEP.name
+EXIT_LAST_STEP = schema.RANK_EXIT_LAST_STEP_TIMESTAMP.name
 NAN_STEP = schema.NONFINITE_FIRST_STEP.name
 NAN_BATCH = schema.NONFINITE_FIRST_BATCH.name
 NAN_COUNTERS = (schema.NONFINITE_LOSS.name, schema.NONFINITE_GRAD.name)
@@ -247,14 +252,19 @@ def _scalar(result: list[dict[str, Any]]) -> float | None:
     return max(values) if values else None
 
 
+def _tagged(expr: str, source: str) -> str:
+    """`expr` with a `from` label, so that `or` keeps a live and an exited series of one rank."""
+    return f'label_replace({expr}, "from", "{source}", "", "")'
+
+
 def highest_step(query: Query, run: str, lookback_s: float, at: float | None = None,
                  ) -> float | None:
     """The run's highest global step over the lookback (None: Prometheus has none): the ranks'
     live steps and the steps the sidecar read from the files of ranks that exited, so a crash
     right after a step counts that step however the scrapes fell."""
     window = f"{_sel(run)}[{lookback_s:.0f}s]"
-    live = f'label_replace(max_over_time({GLOBAL_STEP}{window}), "from", "live", "", "")'
-    exited = f'label_replace(max_over_time({EXIT_STEP}{window}), "from", "exit", "", "")'
+    live = _tagged(f"max_over_time({GLOBAL_STEP}{window})", "live")
+    exited = _tagged(f"max_over_time({EXIT_STEP}{window})", "exit")
     return _scalar(query(f"max({live} or {exited})", at))
 
 
@@ -510,11 +520,17 @@ class Ledger:
     def _progress(self, run: str, acted: float, now: float) -> Progress:
         span = max(1.0, now - acted)
         sel = _sel(run)
-        last = _points(self.query_at(f"max({LAST_STEP}{sel})[{span:.0f}s:1s]", now))
+        live_last, exit_last = f"{LAST_STEP}{sel}", f"{EXIT_LAST_STEP}{sel}"
+        last = _points(self.query_at(
+            f"max({_tagged(live_last, 'live')} or {_tagged(exit_last, 'exit')})"
+            f"[{span:.0f}s:1s]", now))
         # The ranks that stepped since the action (not the hung processes being replaced) say
-        # which step they resumed from, whichever of their steps a scrape caught first.
+        # which step they resumed from, whichever of their steps a scrape caught first; a
+        # process that died before any scrape saw it alive says so through the sidecar.
+        live = f"{START_STEP}{sel} and on (run, rank) ({live_last} > {acted:.3f})"
+        dead = f"{EXIT_START_STEP}{sel} and on (run, rank) ({exit_last} > {acted:.3f})"
         low = _points(self.query_at(
-            f"min({START_STEP}{sel} and on (run, rank) ({LAST_STEP}{sel} > {acted:.3f}))"
+            f"min({_tagged(f'({live})', 'live')} or {_tagged(f'({dead})', 'exit')})"
             f"[{span:.0f}s:1s]", now))
         return progress_after(acted, last, low)
 

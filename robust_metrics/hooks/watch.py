@@ -166,13 +166,17 @@ class Watch:
         return sink
 
     @_guard("identity")
-    def _write_identity(self, finished: float | None = None) -> None:
+    def _write_identity(self, finished: float | None = None,
+                        crashed: float | None = None) -> None:
         """`ranks/<pid>.json` lets the sidecar map processes to ranks for liveness and stacks;
-        `finished` (written by a normal close) tells it that the exit to come is not a crash."""
+        `finished` (written by a normal close) tells it that the exit to come is not a crash;
+        `crashed` (written when an exception ends the rank) when it failed, on the rank's clock,
+        so the first rank to fail is told from the peers that fail of it even when no scrape
+        saw them alive."""
         o = self.options
         write_identity(str(o.metrics_dir), run=o.run, rank=o.rank, local_rank=o.local_rank,
                        node=o.node, world_size=o.world_size, topology=o.topology,
-                       started=self._started, finished=finished,
+                       started=self._started, finished=finished, crashed=crashed,
                        flush_interval=o.flush_interval or None)
 
     def _cuda_device(self) -> Any:
@@ -578,6 +582,7 @@ class Watch:
         if self._closed:
             return
         self._closed = True
+        ended = time.time()
         with contextlib.suppress(Exception):
             atexit.unregister(self._close_at_exit)
         for handle in self._handles:
@@ -595,8 +600,11 @@ class Watch:
                 self.sink.close(self.store)
         except Exception as exc:
             self._error("sink", exc)
-        if finished and self.options.backend == "multiprocess" and not isinstance(self.sink, NullSink):
-            self._write_identity(finished=time.time())
+        if self.options.backend == "multiprocess" and not isinstance(self.sink, NullSink):
+            if finished:
+                self._write_identity(finished=time.time())
+            else:
+                self._write_identity(crashed=ended)
         with _active_lock:
             if _active is self:
                 _active = None

@@ -51,6 +51,7 @@ class RankIdentity:
     world_size: str = ""
     started: float | None = None
     finished: float | None = None  # written by the hook at a normal end: the exit is no crash
+    crashed: float | None = None  # written by the hook when an uncaught exception ends the rank
     flush_interval: float | None = None  # seconds between the hook's writes of its files
     dp_rank: str = ""
     pp_rank: str = ""
@@ -71,7 +72,8 @@ def identity_name(pid: int) -> str:
 def write_identity(directory: str, *, run: str, rank: int | str, local_rank: int | str,
                    node: str, world_size: int | str, topology: Mapping[str, int] | None = None,
                    pid: int | None = None, started: float | None = None,
-                   finished: float | None = None, flush_interval: float | None = None) -> str:
+                   finished: float | None = None, crashed: float | None = None,
+                   flush_interval: float | None = None) -> str:
     """Write this process's identity into `directory/ranks/` atomically; returns the path."""
     pid = os.getpid() if pid is None else pid
     topology = dict(topology or {})
@@ -80,6 +82,8 @@ def write_identity(directory: str, *, run: str, rank: int | str, local_rank: int
               "started": time.time() if started is None else started}
     if finished is not None:
         record["finished"] = finished
+    if crashed is not None:
+        record["crashed"] = crashed
     if flush_interval is not None:
         record["flush_interval"] = flush_interval
     os.makedirs(directory, exist_ok=True)
@@ -118,6 +122,15 @@ def _flush_interval(record: Mapping[str, Any]) -> float | None:
     return float(value) if 0 < value <= MAX_FLUSH_INTERVAL else None
 
 
+def _crashed(record: Mapping[str, Any], started: float | None) -> float | None:
+    """When the rank says an exception ended it, or None when absent or not a time after its
+    start (the file is the job's: a value that is no such time is ignored, not trusted)."""
+    value = record.get("crashed")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        return None
+    return float(value) if started is None or value >= started else None
+
+
 def parse_identity(data: bytes, pid: int, uid: int | None = None) -> RankIdentity:
     """The identity in `data` (the file's bytes) of the process `pid`; ValueError when malformed.
 
@@ -141,7 +154,7 @@ def parse_identity(data: bytes, pid: int, uid: int | None = None) -> RankIdentit
         world_size=_text(record.get("world_size")), started=started, finished=finished,
         dp_rank=_text(topology.get("dp_rank")), pp_rank=_text(topology.get("pp_rank")),
         tp_rank=_text(topology.get("tp_rank")), uid=uid,
-        flush_interval=_flush_interval(record))
+        flush_interval=_flush_interval(record), crashed=_crashed(record, started))
 
 
 def pid_of(name: str) -> int | None:

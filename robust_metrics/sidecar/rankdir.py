@@ -61,7 +61,7 @@ from robust_metrics.rankfolder.metricfile import (
 )
 from robust_metrics.rankfolder.safeio import open_dir, read_regular, write_atomic
 
-__all__ = ["RankFolder", "RankIdentity", "Snapshot", "process_alive"]
+__all__ = ["FinalProgress", "RankFolder", "RankIdentity", "Snapshot", "process_alive"]
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +72,18 @@ MAX_SCRAPE_BYTES = 64 << 20
 MAX_ARCHIVE_BYTES = 256 << 20
 _LAST_STEP = schema.LAST_STEP_TIMESTAMP.name
 _GLOBAL_STEP = schema.GLOBAL_STEP.name
+_START_STEP = schema.START_STEP.name
+
+
+@dataclass(frozen=True)
+class FinalProgress:
+    """What a dead process's gauge files said last: the step it reached, the step it started
+    from and when it last stepped. A process that crashed before any scrape saw it alive leaves
+    only this as proof that it trained, and from where."""
+
+    step: float | None = None
+    start_step: float | None = None
+    last_step_at: float | None = None
 
 
 @dataclass
@@ -85,7 +97,7 @@ class Snapshot:
     last_step: dict[tuple[str, str], float]
     corrupt_total: int
     errors: list[str] = field(default_factory=list)
-    final_step: dict[int, float] = field(default_factory=dict)  # pid -> global step at its exit
+    final: dict[int, FinalProgress] = field(default_factory=dict)  # pid -> progress at its exit
     written: dict[int, float] = field(default_factory=dict)  # pid -> last write of its files
 
 
@@ -329,7 +341,7 @@ class RankFolder:
         self._identity_cache: dict[str, tuple[int, RankIdentity | None]] = {}
         self._corrupt_seen: set[tuple[str, int]] = set()
         self._dead_since: dict[int, float] = {}
-        self._final_steps: dict[int, float | None] = {}  # None: read, and no step in it
+        self._final: dict[int, FinalProgress] = {}
         prepare(directory)
         self._archive.acquire()
         self._archive.load_if_changed()
@@ -428,23 +440,31 @@ class RankFolder:
             if family.name == _LAST_STEP:
                 for s in family.samples:
                     last_step[(s.labels.get("run", ""), s.labels.get("rank", ""))] = s.value
-        final_step = {pid: step for pid, step in self._final_steps.items() if step is not None}
+        final = {pid: progress for pid, progress in self._final.items()
+                 if progress.step is not None}
         return Snapshot(now, families, identities, alive, last_step, len(self._corrupt_seen),
-                        errors, final_step, written)
+                        errors, final, written)
 
     def _keep_final_steps(self, files: dict[int, list[DbFile]], alive: dict[int, bool],
                           pids: set[int], errors: list[str]) -> None:
-        """Read each newly dead pid's global step from its gauge files once, before a merge
-        deletes them (a pid without one is not read again); forget pids that left the folder."""
-        for pid in set(self._final_steps) - pids:
-            del self._final_steps[pid]
+        """Read each newly dead pid's progress from its gauge files once, before a merge
+        deletes them (a pid without a step is not read again); forget pids that left the
+        folder."""
+        for pid in set(self._final) - pids:
+            del self._final[pid]
+        wanted = (_GLOBAL_STEP, _START_STEP, _LAST_STEP)
         for pid, dbs in files.items():
-            if alive[pid] or pid in self._final_steps:
+            if alive[pid] or pid in self._final:
                 continue
-            steps = [entry.value for db in dbs if db.type == "gauge"
-                     for (metric, _, _, _), entry in self._read_file(db, errors)
-                     if metric == _GLOBAL_STEP]
-            self._final_steps[pid] = max(steps) if steps else None
+            values: dict[str, list[float]] = defaultdict(list)
+            for db in dbs:
+                if db.type != "gauge":
+                    continue
+                for (metric, _, _, _), entry in self._read_file(db, errors):
+                    if metric in wanted:
+                        values[metric].append(entry.value)
+            step, start, last = (max(values[m]) if values[m] else None for m in wanted)
+            self._final[pid] = FinalProgress(step, start, last if last else None)
 
     def _identities(self) -> dict[int, RankIdentity]:
         found: dict[int, RankIdentity] = {}

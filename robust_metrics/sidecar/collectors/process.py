@@ -10,11 +10,14 @@ report that it died; the sidecar can. Per rank (the newest process of each `run`
   launcher stopping the survivors of a failure, a scheduler cancelling the job, a restart) was
   stopped on request and counts as ended too; any other exit (SIGKILL, OOM kill, segfault, an
   exception) is a crash;
-- when it exited, noticed at once through a pidfd (Linux 5.3+) rather than at the next scrape, so
+- when it exited (labelled with its pid): the time the hook wrote when an uncaught exception
+  ended it, else noticed at once through a pidfd (Linux 5.3+) rather than at the next scrape, so
   that the first rank to die can be told from the peers that die of its death a moment later; the
   signal that ended it comes from the kernel's process events where the sidecar may subscribe
   (`proc_connector`), else from the zombie before its parent reaps it;
-- the global step it had reached when it exited, from its last files (`RankFolder` keeps it);
+- the global step it had reached when it exited, the step it started from and when it last
+  stepped, from its last files (`RankFolder` keeps them): the proof that a restart which failed
+  again before any scrape saw it alive trained, and from where;
 - its CPU time and resident memory;
 - the seconds since its last completed step (or since `watch()` before its first step), as of
   the rank's last write of its files while it keeps writing them (every `flush_interval`, from a
@@ -44,7 +47,7 @@ from robust_metrics.sidecar.config import SidecarConfig
 from robust_metrics.sidecar.proc_connector import ProcExits, signal_of
 from robust_metrics.sidecar.rankdir import RankFolder, RankIdentity
 
-__all__ = ["ExitWatcher", "ProcessCollector", "newest_per_rank", "step_age"]
+__all__ = ["ExitWatcher", "ProcessCollector", "exit_time", "newest_per_rank", "step_age"]
 
 log = logging.getLogger(__name__)
 LABELS = ["run", "rank"]
@@ -220,6 +223,18 @@ def step_age(now: float, since: float, written: float | None,
     return max(0.0, now - since)
 
 
+def exit_time(seen: float, ident: RankIdentity) -> float:
+    """When the rank exited: the time it wrote that an exception ended it, when that lies between
+    its start and the exit the sidecar saw (`seen`), else `seen`. The rank's own time orders a
+    crash before the exits of the peers that die of it even when the sidecar noticed them all in
+    one scrape."""
+    crashed = ident.crashed
+    if crashed is not None and (ident.started is None or ident.started <= crashed) \
+            and crashed <= seen:
+        return crashed
+    return seen
+
+
 class ProcessCollector:
     def __init__(self, folder: RankFolder, exits: ExitWatcher | None = None) -> None:
         self.folder = folder
@@ -233,8 +248,11 @@ class ProcessCollector:
             return GaugeMetricFamily(spec.name, spec.help, labels=LABELS)
 
         alive_f, stopped_f = gauge(s.RANK_PROCESS_ALIVE), gauge(s.RANK_PROCESS_STOPPED)
-        finished_f, exit_f = gauge(s.RANK_FINISHED), gauge(s.RANK_EXIT_TIMESTAMP)
-        exit_step_f = gauge(s.RANK_EXIT_GLOBAL_STEP)
+        finished_f = gauge(s.RANK_FINISHED)
+        exit_f = GaugeMetricFamily(s.RANK_EXIT_TIMESTAMP.name, s.RANK_EXIT_TIMESTAMP.help,
+                                   labels=[*LABELS, "pid"])
+        exit_step_f, exit_start_f = gauge(s.RANK_EXIT_GLOBAL_STEP), gauge(s.RANK_EXIT_START_STEP)
+        exit_last_f = gauge(s.RANK_EXIT_LAST_STEP_TIMESTAMP)
         cpu_f = CounterMetricFamily(s.RANK_PROCESS_CPU.name, s.RANK_PROCESS_CPU.help,
                                     labels=LABELS)
         rss_f, age_f = gauge(s.RANK_PROCESS_RSS), gauge(s.RANK_STEP_AGE)
@@ -259,9 +277,15 @@ class ProcessCollector:
             if ident.finished or (not alive and self.exits.stopped_on_request(ident.pid)):
                 finished_f.add_metric(labels, 1.0)  # present only when true: no healthy series
             if not alive:
-                exit_f.add_metric(labels, self.exits.exited(ident.pid, now))
-                if ident.pid in snapshot.final_step:
-                    exit_step_f.add_metric(labels, snapshot.final_step[ident.pid])
+                exit_f.add_metric([*labels, str(ident.pid)],
+                                  exit_time(self.exits.exited(ident.pid, now), ident))
+                final = snapshot.final.get(ident.pid)
+                if final is not None:
+                    exit_step_f.add_metric(labels, final.step)
+                    if final.start_step is not None:
+                        exit_start_f.add_metric(labels, final.start_step)
+                    if final.last_step_at is not None:
+                        exit_last_f.add_metric(labels, final.last_step_at)
                 continue
             self.exits.watch(ident.pid)
             if status in _STOPPED:
@@ -274,7 +298,8 @@ class ProcessCollector:
             if since and not ident.finished:  # a rank shutting down after close() is no hang
                 written = snapshot.written.get(ident.pid)
                 age_f.add_metric(labels, step_age(now, since, written, ident.flush_interval))
-        yield from (alive_f, stopped_f, finished_f, exit_f, exit_step_f, cpu_f, rss_f, age_f)
+        yield from (alive_f, stopped_f, finished_f, exit_f, exit_step_f, exit_start_f,
+                    exit_last_f, cpu_f, rss_f, age_f)
 
 
 @register_collector("process", default_enabled=True,
