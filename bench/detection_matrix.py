@@ -91,7 +91,7 @@ class Fault:
 
 HANG = frozenset({"TrainingHang"})
 SLOW = frozenset({"StragglerSlowdownHigh", "ThroughputDrop"})
-SLOW_FORMULA = "60 s x 0.2 / (R - 1) + 30 s + ≤ 15 s + ≤ 15 s"
+SLOW_FORMULA = "60 s x 0.2 / (R - 1) + 45 s + ≤ 15 s + ≤ 15 s"
 
 
 def faults(healthy_seconds: float) -> list[Fault]:

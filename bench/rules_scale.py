@@ -58,6 +58,7 @@ SAMPLE_KEYS = {
     "robust_steps_total": "steps", "robust_last_step_timestamp_seconds": "now",
     "robust_global_step": "steps", "robust_step_duration_seconds_sum": "steps",
     "robust_step_duration_seconds_count": "steps", "robust_step_compute_seconds_sum": "compute",
+    "robust_step_compute_seconds_squared_total": "compute_sq",
     "robust_step_compute_seconds_count": "steps", "robust_data_wait_seconds_sum": "small",
     "robust_data_wait_seconds_count": "steps", "robust_gc_pause_seconds_sum": "small",
     "robust_gc_pause_seconds_count": "steps", "robust_loss": "loss", "robust_grad_norm": "one",
@@ -137,7 +138,7 @@ def shard_template(ranks: range, flops: bool = False, gpu_series: bool = False) 
             for labels in _labels(spec, rank, node):
                 for sample in spec.sample_names():
                     key = SAMPLE_KEYS.get(sample, "one")
-                    if rank == SLOW_RANK and key in ("compute", "blocked"):
+                    if rank == SLOW_RANK and key in ("compute", "compute_sq", "blocked"):
                         key += "_slow"
                     if sample == "robust_phase":
                         key = "one" if labels.endswith('"train"') else "zero"
@@ -182,6 +183,8 @@ class Exporter:
         t = now - self.start
         return {"steps": f"{t:.3f}", "now": f"{now:.3f}", "start": f"{self.start:.3f}",
                 "compute": f"{0.6 * t:.3f}", "compute_slow": f"{0.9 * t:.3f}",
+                # squares of 0.6 s (0.9 s) steps with a 0.03 s step-to-step spread
+                "compute_sq": f"{0.3609 * t:.4f}", "compute_sq_slow": f"{0.8109 * t:.4f}",
                 "blocked": f"{0.4 * t:.3f}", "blocked_slow": f"{0.1 * t:.3f}",
                 "small": f"{0.01 * t:.3f}", "loss": "2.0", "one": "1", "zero": "0",
                 "bytes": f"{1e6 * t:.0f}", "flops": f"{FLOPS_PER_SECOND * t:.6e}",

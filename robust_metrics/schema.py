@@ -153,6 +153,13 @@ STEP_COMPUTE = _declare(
     "robust_step_compute_seconds", S,
     "Step time minus time blocked in collectives; the straggler signal.", unit="seconds",
 )
+STEP_COMPUTE_SQUARED = _declare(
+    "robust_step_compute_seconds_squared_total", C,
+    "Sum of the squares of robust_step_compute_seconds' observations (seconds squared). With that "
+    "summary's _sum and _count it gives each rank's step-to-step variance of compute, against "
+    "which the straggler rules test whether a rank is consistently slower than its peers.",
+    unit="seconds_squared",
+)
 DATA_WAIT = _declare(
     "robust_data_wait_seconds", S,
     "Time from the end of an optimizer step to the next forward pass (data loading, host work).",

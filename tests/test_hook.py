@@ -562,3 +562,36 @@ def test_an_uncaught_exception_at_interpreter_exit_writes_when_the_rank_crashed(
     data = json.loads(identities[0].read_text())
     assert "finished" not in data
     assert raised_after <= data["crashed"] <= raised_after + 10, data
+
+
+def test_squared_compute_sums_the_squares_of_the_steps_compute(watched: tuple) -> None:  # type: ignore[type-arg]
+    """The straggler test's variance is E[c^2] - E[c]^2 from these three counters: the squares
+    must be of the same per-step compute the summary observes (step minus blocked time)."""
+    handle = start(watched)
+    timed = iter([[(0.5, 0.2)], [(0.7, 0.1)], [(0.4, 0.4)], [(1.0, 0.0), (0.9, 0.3)]])
+    handle._timed_steps = lambda host_seconds: next(timed)  # type: ignore[method-assign]
+    train(watched[0], watched[1], 4)
+    computes = [0.3, 0.6, 0.0, 1.0, 0.6]
+    assert value(handle, "robust_step_compute_seconds_count") == 5
+    assert value(handle, "robust_step_compute_seconds_sum") == pytest.approx(sum(computes))
+    assert value(handle, "robust_step_compute_seconds_squared_total") == pytest.approx(
+        sum(c * c for c in computes))
+
+
+@pytest.mark.parametrize("backend", ["multiprocess", "http"])
+def test_squared_compute_is_served_by_the_sidecar_files_and_the_endpoint(
+        watched: tuple, tmp_path: Path, backend: str) -> None:  # type: ignore[type-arg]
+    port = free_port()
+    handle = start(watched, backend=backend, metrics_dir=str(tmp_path), port=port,
+                   flush_interval=0)
+    handle._timed_steps = lambda host_seconds: [(0.5, 0.2)]  # type: ignore[method-assign]
+    train(watched[0], watched[1], 3)
+    if backend == "http":
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
+        assert b'robust_step_compute_seconds_squared_total{rank="0",run="unit"} 0.27' in text
+        return
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, path=str(tmp_path))
+    got = registry.get_sample_value("robust_step_compute_seconds_squared_total",
+                                    {"run": "unit", "rank": "0"})
+    assert got == pytest.approx(3 * 0.09)

@@ -181,6 +181,45 @@ def test_the_issue_alerts_all_exist() -> None:
     assert {a["alert"] for a in ALERTS} == wanted
 
 
+# -- series budget ----------------------------------------------------------------------------
+# Per-rank records that exist only around an event (a spike, a hang, a crash, a slow rank):
+# a healthy rank has none of them.
+EVENT_RANK_RECORDS = {
+    "run_rank:robust_loss_spikes:increase5m", "run_rank:robust_grad_norm_spikes:increase5m",
+    "run_rank:robust_rank_process_stopped:hang",
+    "run_rank:robust_rank_exit_timestamp_seconds:crashed",
+    "run_rank:robust_rank_exit_timestamp_seconds:first_crash",
+    "run_rank:robust_step_compute_seconds:slow1m",
+}
+# Per-rank metrics a CPU rank does not publish while healthy (CUDA memory; hook errors).
+NOT_ON_A_HEALTHY_CPU_RANK = {"robust_cuda_memory_allocated_bytes",
+                             "robust_cuda_memory_reserved_bytes", "robust_cuda_memory_peak_bytes",
+                             "robust_hook_errors_total"}
+
+
+def test_a_healthy_default_rank_costs_at_most_42_series() -> None:
+    """The issue's budget (16,384 ranks under 700k series): what the hook and the sidecar publish
+    per rank by default, one series per sample name and label value set, plus the per-rank
+    records. A new per-rank record must be declared an event record here or fit the budget."""
+    scraped = 0
+    for m in schema.all_metrics():
+        if (not m.default_on or m.on_event or "rank" not in m.labels
+                or m.source not in (schema.Source.RANK, schema.Source.SIDECAR)
+                or m.name in NOT_ON_A_HEALTHY_CPU_RANK):
+            continue
+        values = {"phase": len(schema.PHASES), "op": 1, "group": 1, "where": 1}
+        per_labels = 1
+        for label in m.labels:
+            per_labels *= values.get(label, 1)
+        scraped += per_labels * len(m.sample_names())
+    per_rank_records = {r["record"] for r in RECORDS
+                        if r["record"].split(":")[0] in ("run_rank", "run_rank_group")}
+    healthy_records = {r for r in per_rank_records if r not in EVENT_RANK_RECORDS
+                       and not r.startswith("run_rank_group:")}  # recorded only during a hang
+    assert per_rank_records >= EVENT_RANK_RECORDS
+    assert scraped + len(healthy_records) <= 42, (scraped, sorted(healthy_records))
+
+
 # -- alert conventions ------------------------------------------------------------------------
 @pytest.mark.parametrize("alert", ALERTS, ids=lambda a: a["alert"])
 def test_alert_carries_labels_and_annotations(alert: dict[str, Any]) -> None:
@@ -241,7 +280,7 @@ def test_scale_expr_scales_ranges_offsets_subqueries_and_marked_constants() -> N
 def test_time_scale_changes_for_and_windows_but_not_ratios() -> None:
     fast = {r.get("alert") or r.get("record"): r for g in rules.load_groups(time_scale=1 / 15)
             for r in g["rules"]}
-    assert fast["SlowRank"]["for"] == "2s"
+    assert fast["SlowRank"]["for"] == "3s"
     assert "1.2\n" in fast["SlowRank"]["expr"]
     assert "[4s]" in fast["run_rank:robust_step_compute_seconds:mean1m"]["expr"]
     assert "[20s]" in fast["run_rank:robust_step_duration_seconds:mean5m"]["expr"]

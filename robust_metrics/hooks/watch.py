@@ -121,6 +121,7 @@ class Watch:
         self._start_step = st.series(s.START_STEP)
         self._step_duration = st.series(s.STEP_DURATION)
         self._step_compute = st.series(s.STEP_COMPUTE)
+        self._step_compute_squared = st.series(s.STEP_COMPUTE_SQUARED)
         self._data_wait = st.series(s.DATA_WAIT)
         self._gc_pause = st.series(s.GC_PAUSE)
         # robust_loss and robust_grad_norm appear with their first real value: a placeholder 0
@@ -386,7 +387,9 @@ class Watch:
         duration = now - started
         for seconds, blocked in self._timed_steps(duration):  # on GPUs: earlier steps' events
             self._step_duration.observe(seconds)
-            self._step_compute.observe(max(0.0, seconds - blocked))
+            compute = max(0.0, seconds - blocked)
+            self._step_compute.observe(compute)
+            self._step_compute_squared.inc(compute * compute)
         self._steps.inc()
         if self._model_flops is not None:
             self._count_flops()

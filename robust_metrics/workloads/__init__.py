@@ -5,11 +5,15 @@
   and eval phases, a slow shutdown); run by the end-to-end alert tests and
   bench/detection_matrix.py;
 - `parallel_job.py`: the same with FSDP2, tensor parallelism, pipeline schedules and 2-D meshes,
-  with a slowed rank.
+  with a slowed rank;
+- `straggler_series.py`: no processes, but the series such a job would publish, drawn at random
+  (per-step jitter, slow ranks, contention that moves between ranks, a checkpoint pause): the
+  input of the statistical slow-rank cases (alert_rules/tests/stragglers_stat_test.yml) and of
+  bench/straggler_curve.py. It needs no torch.
 
 Anyone who wants to see an alert fire on their own Prometheus can run them too
 (`python -m robust_metrics.workloads.fault_job --help`). `FAULT_JOB` is the fault job's path, for
-`robust_metrics.processes.RankJob(script=FAULT_JOB)`. They need torch.
+`robust_metrics.processes.RankJob(script=FAULT_JOB)`. The jobs need torch.
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ Each test is one run id in the shared folder:
 - kill -9 of one rank: RankExited names it (and not the peers that die of its death);
 - a rank that sleeps before its first step: TrainingHang, and RankHang names it; no loss or
   gradient-norm spike alert when training starts;
-- a rank stopped (SIGSTOP) inside the all-reduce its peers wait in: RankHang names it alone.
+- a rank stopped (SIGSTOP) inside the all-reduce its peers wait in: RankHang names it alone;
+- a rank 1.3x slower (fixed ratio) and one 1.1x slower (statistical test): SlowRank names it.
 """
 
 from __future__ import annotations
@@ -199,8 +200,25 @@ def test_a_1_3x_straggler_is_named_by_its_compute_time(stack: dict[str, Any], wh
         t0 = time.monotonic()
         fired = wait_firing(prom, run, "SlowRank", 60, job)
         print(f"\n1.3x {where} straggler: SlowRank {time.monotonic() - t0:.1f}s after 5 steps "
-              f"(formula at 1/15 scale: (60 x 0.2 / 0.3 + 30 + 15 + 15) / 15 = 6.7 s)")
+              f"(formula at 1/15 scale: (60 x 0.2 / 0.3 + 45 + 15 + 15) / 15 = 7.7 s)")
         assert fired["labels"]["rank"] == str(slow), fired
         assert float(fired["value"]) > 1.2
         time.sleep(2)
+        assert names(prom, run, "SlowRank") == {str(slow)}, alerts(prom, run)
+
+
+def test_a_1_1x_straggler_is_named_by_the_statistical_test(stack: dict[str, Any]) -> None:
+    """A rank 1.1x slower never passes the fixed 1.2 ratio; SlowRank names it by its z against
+    the run's step-to-step spread (sums of squared compute from the real hook), held in 75% of
+    3 minutes (12 s here): within 5 minutes at the defaults, 20 s at 1/15 scale."""
+    prom, run, slow = stack["prom"], "slow-1.1x", 2
+    with start_job(stack, run, ["--compute", "0.1", "--slow-rank", str(slow), "--slow-factor",
+                                "1.1"]) as job:
+        wait_steps(prom, run, job, steps=5)
+        t0 = time.monotonic()
+        fired = wait_firing(prom, run, "SlowRank", 60, job)
+        print(f"\n1.1x straggler: SlowRank {time.monotonic() - t0:.1f}s after 5 steps "
+              f"(at 1/15 scale: the 10 s start guard, then about 240 s / 15 = 16 s)")
+        assert fired["labels"]["rank"] == str(slow), fired
+        assert 1.05 < float(fired["value"]) < 1.2, fired  # the statistical branch's ratio
         assert names(prom, run, "SlowRank") == {str(slow)}, alerts(prom, run)

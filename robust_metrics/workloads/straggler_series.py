@@ -1,0 +1,164 @@
+"""Synthetic per-rank step timing of a synchronous job, scraped every 15 s, as the hook publishes it.
+
+The statistical straggler rules (alert_rules/stragglers.yml, SlowRank's second branch) judge a
+rank by its mean compute per step against the run's step-to-step spread. Whether they stay silent
+on noise and name a rank 1.1x slower is a question about random series, which constant counters
+(`0+9x40` in a promtool file) cannot ask. This module draws them: every step, each rank computes
+`base x its slowdown x (1 + jitter x U(-1, 1))` seconds, the step ends when the slowest rank has
+computed plus a transfer time (a bulk-synchronous step: every other rank waits in the collective),
+and a scrape every 15 s sees the counters of the steps completed by then.
+
+It feeds the promtool cases in alert_rules/tests/stragglers_stat_test.yml (written by
+`python -m tests.straggler_stat_cases`) and bench/straggler_curve.py. A scenario is seeded: the
+same scenario gives the same series on every machine.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+__all__ = ["SCRAPE_S", "Scenario", "Scrape", "promtool_series", "scrapes"]
+
+SCRAPE_S = 15.0
+"""Seconds between scrapes, Prometheus' default interval and the rules' design point."""
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One run: its ranks, how their compute varies, and for how long it is scraped.
+
+    `slow` maps a rank to (factor, from_s): from `from_s` seconds on (until `slow_until`), it
+    computes `factor` times longer. `contention` = (factor, period_s, from_s): from `from_s` on,
+    one rank at a time computes `factor` times longer, a different one each `period_s` (rank k
+    in period k, cycling), as CPU contention that moves between ranks does. `pause` =
+    (from_s, to_s): no steps, every rank in the `pause_phase` phase (a checkpoint or an
+    evaluation that every rank takes part in).
+    """
+
+    ranks: int
+    minutes: float
+    base: float = 0.6
+    transfer: float = 0.4
+    jitter: float = 0.1
+    slow: dict[int, tuple[float, float]] = field(default_factory=dict)
+    slow_until: float = math.inf
+    contention: tuple[float, float, float] | None = None
+    pause: tuple[float, float] | None = None
+    pause_phase: str = "checkpoint"
+    seed: int = 0
+
+    def slowdown(self, rank: int, t: float) -> float:
+        """The factor by which `rank` computes slower in a step that starts at `t` seconds."""
+        factor = 1.0
+        if rank in self.slow and self.slow[rank][1] <= t < self.slow_until:
+            factor *= self.slow[rank][0]
+        if self.contention is not None:
+            extra, period, start = self.contention
+            if t >= start and int((t - start) // period) % self.ranks == rank:
+                factor *= extra
+        return factor
+
+    def paused(self, t: float) -> bool:
+        return self.pause is not None and self.pause[0] <= t < self.pause[1]
+
+
+@dataclass
+class _Counters:
+    steps: int = 0
+    compute: float = 0.0
+    compute_squared: float = 0.0
+    duration: float = 0.0
+    last_step: float = 0.0
+
+
+@dataclass(frozen=True)
+class Scrape:
+    """What one scrape at `t` seconds sees of one rank."""
+
+    t: float
+    rank: int
+    steps: int
+    compute: float
+    compute_squared: float
+    duration: float
+    last_step: float
+    paused: bool
+
+
+def _steps(scenario: Scenario) -> Iterator[tuple[float, float, list[float]]]:
+    """(end time, duration, each rank's compute) of every step, in order, until the end. A
+    pause is not part of the step after it (the hook restarts the step clock on leaving a
+    phase)."""
+    rng = random.Random(scenario.seed)
+    t, end = 0.0, scenario.minutes * 60
+    while t < end:
+        if scenario.paused(t):
+            t = scenario.pause[1]  # type: ignore[index]
+            continue
+        computes = [scenario.base * scenario.slowdown(r, t)
+                    * (1 + scenario.jitter * rng.uniform(-1, 1)) for r in range(scenario.ranks)]
+        duration = max(computes) + scenario.transfer
+        t += duration
+        yield t, duration, computes
+
+
+def scrapes(scenario: Scenario) -> list[list[Scrape]]:
+    """Per scrape (at 0, 15, 30 s, ... up to the end), one `Scrape` per rank."""
+    counters = [_Counters() for _ in range(scenario.ranks)]
+    out: list[list[Scrape]] = []
+    count = int(scenario.minutes * 60 // SCRAPE_S) + 1
+    steps = _steps(scenario)
+    pending = next(steps, None)
+    for k in range(count):
+        now = k * SCRAPE_S
+        while pending is not None and pending[0] <= now:
+            end, duration, computes = pending
+            for c, compute in zip(counters, computes, strict=True):
+                c.steps += 1
+                c.compute += compute
+                c.compute_squared += compute * compute
+                c.duration += duration
+                c.last_step = end
+            pending = next(steps, None)
+        out.append([Scrape(now, r, c.steps, c.compute, c.compute_squared, c.duration, c.last_step,
+                           scenario.paused(now)) for r, c in enumerate(counters)])
+    return out
+
+
+def _number(value: float, digits: int) -> str:
+    text = f"{value:.{digits}f}"
+    return text.rstrip("0").rstrip(".") if "." in text else text
+
+
+def _values(numbers: list[float], digits: int) -> str:
+    return " ".join(_number(v, digits) for v in numbers)
+
+
+def promtool_series(scenario: Scenario, run: str) -> list[dict[str, str]]:
+    """promtool `input_series` of the run: the compute and step-duration summaries, the sum of
+    squared compute, the last step's timestamp and the phase of every rank, and its node
+    (`n<rank>` on `robust_rank_info`)."""
+    table = scrapes(scenario)
+    out = []
+    for rank in range(scenario.ranks):
+        rows = [scrape[rank] for scrape in table]
+        labels = f'run="{run}",rank="{rank}"'
+        for name, numbers, digits in (
+            ("robust_step_compute_seconds_count", [s.steps for s in rows], 0),
+            ("robust_step_compute_seconds_sum", [s.compute for s in rows], 4),
+            ("robust_step_compute_seconds_squared_total", [s.compute_squared for s in rows], 4),
+            ("robust_step_duration_seconds_count", [s.steps for s in rows], 0),
+            ("robust_step_duration_seconds_sum", [s.duration for s in rows], 4),
+            ("robust_last_step_timestamp_seconds", [s.last_step for s in rows], 3),
+        ):
+            out.append({"series": f"{name}{{{labels}}}", "values": _values(numbers, digits)})
+        for phase, on in (("train", False), (scenario.pause_phase, True)):
+            flags = [float(s.paused == on) for s in rows]
+            out.append({"series": f'robust_phase{{{labels},phase="{phase}"}}',
+                        "values": _values(flags, 0)})
+        out.append({"series": f'robust_rank_info{{{labels},node="n{rank}"}}',
+                    "values": f"1x{len(rows) - 1}"})
+    return out

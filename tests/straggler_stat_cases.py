@@ -1,0 +1,161 @@
+"""The promtool cases of the statistical slow-rank test, on seeded random series.
+
+    .venv/bin/python -m tests.straggler_stat_cases   # rewrites alert_rules/tests/stragglers_stat_test.yml
+
+Constant counters cannot show that a rule is quiet on noise, so these cases draw their series
+(robust_metrics/workloads/straggler_series.py: 0.6 s compute +-10% uniform jitter per rank and
+step, 0.4 s transfer, a bulk-synchronous step, scrapes every 15 s) and state what SlowRank must do
+over them. The YAML file is generated from this module and committed; tests/test_straggler_stat.py
+fails when the two differ, and the promtool run in tests/test_rules.py judges the file.
+
+A silent case checks SlowRank at every evaluation of its span: an alert that fires for a single
+evaluation fails it.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from robust_metrics import rules
+from robust_metrics.workloads.straggler_series import SCRAPE_S, Scenario, promtool_series
+
+__all__ = ["CASES", "PATH", "Case", "render"]
+
+PATH = Path(__file__).resolve().parent.parent / "alert_rules" / "tests" / "stragglers_stat_test.yml"
+RULE_FILES = ("../training.yml", "../stragglers.yml")
+RUNBOOK = f"{rules.RUNBOOK_BASE}#slowrank"
+SUMMARY = "One rank computes markedly slower than the run's median rank."
+
+
+@dataclass(frozen=True)
+class Case:
+    """A run and what SlowRank does over it.
+
+    `silent` = (from, to) in seconds: SlowRank fires for no rank at any evaluation in it.
+    `named` = (at, rank, ratio text): at `at` seconds SlowRank fires for that rank alone, with
+    the ratio its description gives. `exprs`: promql_expr_test entries (expr, at, labels, value).
+    """
+
+    title: str
+    run: str
+    scenario: Scenario
+    silent: list[tuple[float, float]] = field(default_factory=list)
+    named: list[tuple[float, int, str]] = field(default_factory=list)
+    exprs: list[tuple[str, float, str, float]] = field(default_factory=list)
+
+
+CASES = [
+    Case("a rank 1.1x slower from 5m is named within 5 minutes of the change (the fixed 1.2 "
+         "ratio never names it)", "a",
+         Scenario(ranks=8, minutes=10, slow={3: (1.1, 300.0)}, seed=1),
+         silent=[(15, 420)], named=[(555, 3, "1.09")],
+         exprs=[("count by (run, rank) (run_rank:robust_step_compute_seconds:slow1m)", 555,
+                 '{run="a",rank="3"}', 1)]),
+    Case("a rank 1.3x slower from 5m is named within 2 minutes (the fixed-ratio branch)", "b",
+         Scenario(ranks=8, minutes=7, slow={5: (1.3, 300.0)}, seed=2),
+         silent=[(15, 360)], named=[(405, 5, "1.30")]),
+    Case("a rank 1.05x slower: significantly above its peers (z over 3) and recorded, but "
+         "below the 5% a rank may differ by: never named", "c",
+         Scenario(ranks=8, minutes=20, slow={2: (1.05, 120.0)}, seed=3),
+         silent=[(15, 1200)],
+         exprs=[('run_rank:robust_step_compute_seconds:zscore1m{rank="2"} > bool 3', 600,
+                 '{run="c",rank="2"}', 1),
+                ("absent(run_rank:robust_step_compute_seconds:slow1m)", 600, "{}", 1)]),
+    Case("a healthy run with +-10% jitter per step on every rank: silent; the spread is the "
+         "jitter's (0.6 s x 0.1 / sqrt(3) = 0.035 s), every rank has a z", "d",
+         Scenario(ranks=8, minutes=20, seed=4),
+         silent=[(15, 1200)],
+         exprs=[("(run:robust_step_compute_seconds:stddev1m > 0.03) < bool 0.04", 600,
+                 '{run="d"}', 1),
+                ("count by (run) (run_rank:robust_step_compute_seconds:zscore1m)", 600,
+                 '{run="d"}', 8)]),
+    Case("CPU contention that moves to another rank every minute (1.25x, as seen on a busy "
+         "2-core machine): spread, no rank named", "e",
+         Scenario(ranks=8, minutes=20, contention=(1.25, 60.0, 120.0), seed=5),
+         silent=[(15, 1200)]),
+    Case("the same contention at 1.3x: the statistical test passes on each contended rank for "
+         "a while, never for 75% of 3 minutes", "f",
+         Scenario(ranks=8, minutes=20, contention=(1.3, 60.0, 120.0), seed=6),
+         silent=[(15, 1200)],
+         exprs=[("count by (run) (count_over_time(run_rank:robust_step_compute_seconds:slow1m"
+                 "[20m]))", 1200, '{run="f"}', 8)]),
+    Case("a rank 1.1x slower from the start, named, silent through a checkpoint (6m-9m) and "
+         "for 2m30s after it (the test starts afresh), then named again", "g",
+         Scenario(ranks=8, minutes=14, slow={1: (1.1, 0.0)}, pause=(360.0, 540.0), seed=7),
+         silent=[(15, 180), (375, 675)], named=[(300, 1, "1.10"), (825, 1, "1.11")]),
+    Case("the same through an eval phase (6m-8m): silent while it lasts", "j",
+         Scenario(ranks=8, minutes=9, slow={1: (1.1, 0.0)}, pause=(360.0, 480.0),
+                  pause_phase="eval", seed=10),
+         silent=[(15, 180), (375, 540)], named=[(285, 1, "1.10")]),
+    Case("a tiny model: 2 ms of compute in 1 s steps, one rank 2x slower; the excess is 0.2% "
+         "of a step, under the 3% the test needs", "h",
+         Scenario(ranks=8, minutes=10, base=0.002, transfer=0.998, slow={1: (2.0, 0.0)},
+                  seed=8),
+         silent=[(15, 600)]),
+    Case("a rank 1.5x slower in the job's first minute only (warm-up): silent", "i",
+         Scenario(ranks=8, minutes=8, slow={0: (1.5, 0.0)}, slow_until=60.0, seed=9),
+         silent=[(15, 480)]),
+]
+
+
+def _time(seconds: float) -> str:
+    return rules.format_duration(int(seconds * 1000))
+
+
+def _named(case: Case, at: float, rank: int, ratio: str) -> dict[str, Any]:
+    return {"eval_time": _time(at), "alertname": "SlowRank", "exp_alerts": [{
+        "exp_labels": {"severity": "warning", "action": "checkpoint", "run": case.run,
+                       "rank": str(rank), "node": f"n{rank}"},
+        "exp_annotations": {
+            "summary": SUMMARY,
+            "description": f"Run {case.run}: rank {rank} on node n{rank} spends {ratio}x the "
+                           "run's median compute time per step, and every other rank waits for "
+                           "it in the next collective.",
+            "runbook_url": RUNBOOK}}]}
+
+
+def _test(case: Case) -> dict[str, Any]:
+    checks = [_named(case, *n) for n in case.named]
+    for start, end in case.silent:
+        checks += [{"eval_time": _time(t), "alertname": "SlowRank", "exp_alerts": []}
+                   for t in range(int(start), int(end) + 1, int(SCRAPE_S))]
+    checks.sort(key=lambda c: rules.parse_duration(c["eval_time"]))
+    test: dict[str, Any] = {"name": case.title, "interval": "15s",
+                            "input_series": promtool_series(case.scenario, case.run),
+                            "alert_rule_test": checks}
+    if case.exprs:
+        test["promql_expr_test"] = [
+            {"expr": expr, "eval_time": _time(at), "exp_samples": [{"labels": labels,
+                                                                    "value": value}]}
+            for expr, at, labels, value in case.exprs]
+    return test
+
+
+def _group_order() -> list[str]:
+    return [g["name"] for f in RULE_FILES
+            for g in yaml.safe_load((PATH.parent / f).read_text())["groups"]]
+
+
+def render() -> str:
+    """The promtool test file, as committed."""
+    spec = {"rule_files": list(RULE_FILES), "evaluation_interval": "15s",
+            "group_eval_order": _group_order(), "tests": [_test(c) for c in CASES]}
+    header = ("# Generated by `python -m tests.straggler_stat_cases` from seeded random series "
+              "(robust_metrics/workloads/straggler_series.py). Do not edit.\n"
+              "# promtool test rules alert_rules/tests/stragglers_stat_test.yml\n")
+    return header + yaml.safe_dump(spec, sort_keys=False, width=100)
+
+
+def main() -> int:
+    PATH.write_text(render())
+    print(f"wrote {PATH}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
