@@ -224,15 +224,12 @@ def step_age(now: float, since: float, written: float | None,
 
 
 def exit_time(seen: float, ident: RankIdentity) -> float:
-    """When the rank exited: the time it wrote that an exception ended it, when that lies between
-    its start and the exit the sidecar saw (`seen`), else `seen`. The rank's own time orders a
-    crash before the exits of the peers that die of it even when the sidecar noticed them all in
-    one scrape."""
+    """When the rank exited: the time it wrote that an exception ended it (`parse_identity` keeps
+    only a time after its start), when that is no later than the exit the sidecar saw (`seen`),
+    else `seen`. The rank's own time orders a crash before the exits of the peers that die of it
+    even when the sidecar noticed them all in one scrape."""
     crashed = ident.crashed
-    if crashed is not None and (ident.started is None or ident.started <= crashed) \
-            and crashed <= seen:
-        return crashed
-    return seen
+    return crashed if crashed is not None and crashed <= seen else seen
 
 
 class ProcessCollector:
