@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -76,33 +77,63 @@ class MissingBinary(ServiceError):
 
 
 # ---------------------------------------------------------------------- ports
-def free_port() -> int:
-    """A loopback TCP port that was free a moment ago."""
+_LOWEST_PORT = 15000
+_handed_out: set[int] = set()
+
+
+def _ephemeral_floor() -> int:
+    """The lowest port the kernel hands to `bind(0)` and outgoing connections."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_port_block(n: int) -> int:
+    """A base port such that base..base+n-1 were all free a moment ago (in-process rank
+    endpoints listen on ROBUST_METRICS_PORT + local rank).
+
+    Blocks come from below the kernel's ephemeral range: a port there is only taken by an
+    explicit bind, while gloo's many connections draw on the ephemeral range and could take
+    a port between this check and the rank's own bind. A port is never handed out twice by
+    one process, so two services started together cannot be given the same one.
+    """
+    highest = _ephemeral_floor() - n
+    for _ in range(200):
+        base = random.randint(_LOWEST_PORT, highest) if highest > _LOWEST_PORT else _kernel_port()
+        if base + n > 65536 or _handed_out.intersection(range(base, base + n)):
+            continue
+        if _bindable(range(base, base + n)):
+            _handed_out.update(range(base, base + n))
+            return base
+    raise RuntimeError(f"no block of {n} free ports")
+
+
+def _kernel_port() -> int:
+    """A port the kernel picks (used where the ephemeral range leaves no room below it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
 
-def free_port_block(n: int) -> int:
-    """A base port such that base..base+n-1 were all free a moment ago (in-process rank
-    endpoints listen on ROBUST_METRICS_PORT + local rank)."""
-    for _ in range(100):
-        base = free_port()
-        if base + n > 65535:
-            continue
-        socks: list[socket.socket] = []
-        try:
-            for port in range(base, base + n):
-                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-                socks.append(sock)
-                sock.bind(("0.0.0.0", port))  # ranks listen on all addresses
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in socks:
-                sock.close()
-    raise RuntimeError(f"no block of {n} free loopback ports")
+def free_port() -> int:
+    """A TCP port, free on every address a moment ago, that this process has not handed out."""
+    return free_port_block(1)
+
+
+def _bindable(ports: range) -> bool:
+    socks: list[socket.socket] = []
+    try:
+        for port in ports:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            socks.append(sock)
+            sock.bind(("0.0.0.0", port))  # ranks listen on all addresses
+        return True
+    except OSError:
+        return False
+    finally:
+        for sock in socks:
+            sock.close()
 
 
 def wait_for(predicate: Callable[[], T], timeout: float, interval: float = 0.1,
