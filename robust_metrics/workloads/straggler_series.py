@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
-__all__ = ["SCRAPE_S", "Scenario", "Scrape", "promtool_series", "scrapes"]
+__all__ = ["SCRAPE_S", "Scenario", "Scrape", "promtool_series", "scrape_series", "scrapes"]
 
 SCRAPE_S = 15.0
 """Seconds between scrapes, Prometheus' default interval and the rules' design point."""
@@ -141,10 +141,19 @@ def promtool_series(scenario: Scenario, run: str) -> list[dict[str, str]]:
     """promtool `input_series` of the run: the compute and step-duration summaries, the sum of
     squared compute, the last step's timestamp and the phase of every rank, and its node
     (`n<rank>` on `robust_rank_info`)."""
-    table = scrapes(scenario)
+    return scrape_series(scrapes(scenario), run, pause_phase=scenario.pause_phase)
+
+
+def scrape_series(table: list[list[Scrape]], run: str, *, pause_phase: str = "checkpoint",
+                  topology: Mapping[int, Mapping[str, str]] | None = None
+                  ) -> list[dict[str, str]]:
+    """promtool `input_series` of scrapes (one row per scrape, one `Scrape` per rank, in the
+    same order in every row), as `promtool_series` describes. `topology` maps a rank to more
+    labels of its `robust_rank_info` (dp_rank, pp_rank, tp_rank) besides its node `n<rank>`."""
     out = []
-    for rank in range(scenario.ranks):
-        rows = [scrape[rank] for scrape in table]
+    for column in range(len(table[0])):
+        rows = [scrape[column] for scrape in table]
+        rank = rows[0].rank
         labels = f'run="{run}",rank="{rank}"'
         for name, numbers, digits in (
             ("robust_step_compute_seconds_count", [s.steps for s in rows], 0),
@@ -155,10 +164,11 @@ def promtool_series(scenario: Scenario, run: str) -> list[dict[str, str]]:
             ("robust_last_step_timestamp_seconds", [s.last_step for s in rows], 3),
         ):
             out.append({"series": f"{name}{{{labels}}}", "values": _values(numbers, digits)})
-        for phase, on in (("train", False), (scenario.pause_phase, True)):
+        for phase, on in (("train", False), (pause_phase, True)):
             flags = [float(s.paused == on) for s in rows]
             out.append({"series": f'robust_phase{{{labels},phase="{phase}"}}',
                         "values": _values(flags, 0)})
-        out.append({"series": f'robust_rank_info{{{labels},node="n{rank}"}}',
+        info = "".join(f',{k}="{v}"' for k, v in (topology or {}).get(rank, {}).items())
+        out.append({"series": f'robust_rank_info{{{labels},node="n{rank}"{info}}}',
                     "values": f"1x{len(rows) - 1}"})
     return out
