@@ -9,7 +9,10 @@
 - `straggler_series.py`: no processes, but the series such a job would publish, drawn at random
   (per-step jitter, slow ranks, contention that moves between ranks, a checkpoint pause): the
   input of the statistical slow-rank cases (alert_rules/tests/stragglers_stat_test.yml) and of
-  bench/straggler_curve.py. It needs no torch.
+  bench/straggler_curve.py. It needs no torch;
+- `trace_series.py`: the same series for a recorded what-if op trace, its sampled steps played end
+  to end (the input of alert_rules/tests/whatif_st_test.yml, which holds the rules' S and verdict
+  to `robust-metrics whatif` on the study's trace ST). It needs the `analysis` extra, not torch.
 
 Anyone who wants to see an alert fire on their own Prometheus can run them too
 (`python -m robust_metrics.workloads.fault_job --help`). `FAULT_JOB` is the fault job's path, for
