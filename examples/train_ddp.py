@@ -20,6 +20,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import robust_metrics
+from robust_metrics.workloads.ending import exit_process
 
 
 class TinyModel(nn.Module):
@@ -152,3 +153,4 @@ def print_summary(handle: robust_metrics.hooks.watch.Watch, rank: int) -> None:
 
 if __name__ == "__main__":
     main()
+    exit_process()  # see robust_metrics.workloads.ending

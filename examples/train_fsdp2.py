@@ -20,6 +20,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import robust_metrics
+from robust_metrics.workloads.ending import exit_process
 
 
 class Block(nn.Module):
@@ -60,3 +61,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_process()  # see robust_metrics.workloads.ending

@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 import robust_metrics
+from robust_metrics.workloads.ending import exit_process
 
 
 def main() -> None:
@@ -53,3 +54,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_process()  # see robust_metrics.workloads.ending

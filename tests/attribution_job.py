@@ -22,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import robust_metrics
 from robust_metrics.hooks.trace import span
+from robust_metrics.workloads.ending import exit_process
 
 
 class StageModel(nn.Module):
@@ -82,3 +83,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_process()  # see robust_metrics.workloads.ending

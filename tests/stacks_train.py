@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from robust_metrics.workloads.ending import exit_process
+
 
 def _read_from_slow_storage(rank: int) -> None:
     print(f"rank {rank}: stalled in load_batch", flush=True)
@@ -113,3 +115,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_process()  # see robust_metrics.workloads.ending

@@ -14,6 +14,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
 import robust_metrics
+from robust_metrics.workloads.ending import exit_process
 
 robust_metrics.watch = functools.partial(  # type: ignore[assignment]
     robust_metrics.watch, trace_dir=os.environ["TRACE_DIR"],
@@ -24,3 +25,4 @@ import train_ddp  # noqa: E402
 
 if __name__ == "__main__":
     train_ddp.main()
+    exit_process()  # see robust_metrics.workloads.ending

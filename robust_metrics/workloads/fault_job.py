@@ -32,6 +32,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import robust_metrics
+from robust_metrics.workloads.ending import exit_process
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -218,3 +219,4 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+    exit_process()  # see robust_metrics.workloads.ending

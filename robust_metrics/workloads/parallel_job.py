@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 import robust_metrics
+from robust_metrics.workloads.ending import exit_process
 
 STACKS = ("ddp", "fsdp2", "tp", "pp", "fsdp2_tp", "pp_fsdp2")
 
@@ -365,3 +366,4 @@ def _agree_to_stop(mine: bool, device: torch.device) -> bool:
 
 if __name__ == "__main__":
     main()
+    exit_process()  # see robust_metrics.workloads.ending
