@@ -99,6 +99,7 @@ def _check(prom: PrometheusServer, case: Case) -> None:
     # the sidecar sees the ranks end; then the breakdown must hold still
     wait_until(lambda: _value(prom, f"run:robust_badput_ended:bool{sel}", time.time()) == 1,
                timeout=30, interval=0.5, message=f"{case.run}: the end to be seen")
+    ended_seen = time.time()
     last_step = _value(prom, f"max(max_over_time(robust_last_step_timestamp_seconds{sel}[1m]))",
                        time.time())
     assert last_step is not None
@@ -123,8 +124,11 @@ def _check(prom: PrometheusServer, case: Case) -> None:
     assert causes.get("hang", 0) == pytest.approx(stall, abs=SCRAPE_S + EVAL_S), report
     assert causes.get("restart", 0) == causes.get("recomputed", 0) == 0, report
     assert productive == pytest.approx(ettr, abs=0.02 + EVAL_S / wall), report
-    # after the end: nothing more accrues (at most the evaluations between close() and exit)
+    # after the end: nothing more accrues (at most the evaluation in flight when the end was
+    # seen). Between the last step and the end the ranks tear down, which on a loaded machine
+    # takes seconds of real wall time, accounted as such.
+    at_end = sum(_causes(prom, case.run, ended_seen).values())
     after = sum(_causes(prom, case.run, time.time()).values())
-    assert after - sum(causes.values()) < 3 * EVAL_S, (after, report, _timeline(prom, case, at))
+    assert after - at_end < 2 * EVAL_S, (after, at_end, report, _timeline(prom, case, at))
     time.sleep(2 * EVAL_S)
     assert sum(_causes(prom, case.run, time.time()).values()) == after, report
