@@ -21,7 +21,6 @@ Detection latencies are printed; bench/rules_detection.py measures them properly
 from __future__ import annotations
 
 import os
-import re
 import signal
 import statistics
 import time
@@ -57,14 +56,14 @@ def alerts(prom: PrometheusServer, run: str, state: str | None = None) -> list[d
 
 def unexplained(prom: PrometheusServer, run: str) -> list[str]:
     """What a healthy run must not show, each with the reason: an active alert that asks for an
-    action, any other alert, and the straggler estimate when it fires or names no rank that is
-    measurably slower (`straggler_unexplained`)."""
+    action, any other alert, and the straggler estimate when what it names is not measurably
+    slower in the raw samples (`straggler_unexplained`)."""
     problems = []
     for a in alerts(prom, run):
         name, action, state = a["labels"]["alertname"], a["labels"].get("action"), a["state"]
         if action != "none":
             problems.append(f"{name} {state}, action {action}: {a}")
-        elif name != STRAGGLER or state == "firing":
+        elif name != STRAGGLER:
             problems.append(f"{name} {state}: {a}")
         else:
             why = straggler_unexplained(prom, run, a)
@@ -74,30 +73,36 @@ def unexplained(prom: PrometheusServer, run: str) -> list[str]:
 
 
 def straggler_unexplained(prom: PrometheusServer, run: str, alert: dict[str, Any]) -> str | None:
-    """None when a pending StragglerSlowdownHigh names its slowest rank and that rank's raw
-    compute samples (sum and count over the rules' window, no recorded series) are at least 5%
-    above the median rank's: one rank really is slower, as another process competing for the
-    two cores can make it, and the estimate says so. The reason otherwise.
+    """None when StragglerSlowdownHigh (pending or firing, action none) says what the raw
+    compute samples (sum and count over the rules' 5-minute window, no recorded series) show:
+    verdict worker naming a rank at least 5% above the median rank's compute, or verdict spread
+    with some rank that far above it. Another process competing for the two cores makes one
+    rank or another really slower, and the estimate may say so. The reason otherwise (a DDP job
+    has no pipeline stage to blame).
 
     One slow rank needs 1.14x the others' compute for S = 1.1 with four ranks; equal ranks stay
     under 1.01x on this machine even with both cores saturated (/proc/pressure/cpu at 80%).
     """
-    description = alert["annotations"].get("description", "")
-    named = re.search(r"Slowest rank: (\d+) at ([0-9.]+)x", description)
-    if not named:
-        return f"{STRAGGLER} pending without naming a slow rank: {alert}"
+    labels = alert["labels"]
+    verdict, rank = labels.get("verdict"), labels.get("rank")
+    if verdict not in {"worker", "spread"} or (verdict == "worker" and rank is None):
+        return f"{STRAGGLER} {alert['state']} with a cause a DDP job cannot have: {alert}"
     compute = {r["metric"]["rank"]: float(r["value"][1]) for r in prom.query(
         f'rate(robust_step_compute_seconds_sum{{run="{run}"}}[{WINDOW}])'
         f' / rate(robust_step_compute_seconds_count{{run="{run}"}}[{WINDOW}])')}
     if not compute:
-        return f"{STRAGGLER} pending and no compute samples to check it against: {alert}"
-    ratio = compute.get(named[1], 0.0) / statistics.median(compute.values())
+        return f"{STRAGGLER} {alert['state']} and no compute samples to check it against: {alert}"
+    median = statistics.median(compute.values())
+    slowest = max(compute, key=compute.__getitem__)
+    named = rank if verdict == "worker" else slowest
+    ratio = compute.get(str(named), 0.0) / median
     if ratio < 1.05:
-        return (f"{STRAGGLER} pending at S = {alert['value']}, naming rank {named[1]} at "
-                f"{named[2]}x, whose raw compute samples are {ratio:.3f}x the median rank's: "
-                f"no straggler explains it. Per-rank compute (s/step): {compute}")
-    print(f"\n{run}: {STRAGGLER} pending at S = {float(alert['value']):.2f}, rank {named[1]} "
-          f"computing {ratio:.2f}x the median rank (the machine's other work)")
+        return (f"{STRAGGLER} {alert['state']} at S = {alert['value']}, verdict {verdict}, "
+                f"rank {named} at {ratio:.3f}x the median rank's raw compute: no straggler "
+                f"explains it. Per-rank compute (s/step): {compute}")
+    print(f"\n{run}: {STRAGGLER} {alert['state']} at S = {float(alert['value']):.2f}, verdict "
+          f"{verdict}, rank {named} computing {ratio:.2f}x the median rank (the machine's other "
+          "work)")
     return None
 
 
@@ -225,23 +230,27 @@ class _Recorded:
         return [{"metric": {"rank": r}, "value": [0, str(v)]} for r, v in self.compute.items()]
 
 
-def _alert(name: str, action: str, state: str = "pending", description: str = "") -> dict[str, Any]:
-    return {"labels": {"alertname": name, "action": action, "run": "healthy"}, "state": state,
-            "value": "1.31e+00", "annotations": {"description": description}}
+def _alert(name: str, action: str, state: str = "pending", **labels: str) -> dict[str, Any]:
+    return {"labels": {"alertname": name, "action": action, "run": "healthy", **labels},
+            "state": state, "value": "1.31e+00", "annotations": {}}
 
 
 def test_a_healthy_run_may_show_only_a_straggler_its_samples_explain() -> None:
-    slowest = "Run healthy: steps take 1.31x the ideal. Slowest rank: 1 at 1.25x the median compute time."
     rank1_slow = {"0": 0.052, "1": 0.065, "2": 0.052, "3": 0.053}
     equal = {"0": 0.052, "1": 0.053, "2": 0.052, "3": 0.053}
+    worker1 = {"verdict": "worker", "rank": "1", "node": "n1"}
 
     def problems(active: list[dict[str, Any]], compute: dict[str, float]) -> list[str]:
         return unexplained(_Recorded(active, compute), "healthy")  # type: ignore[arg-type]
 
     assert problems([], equal) == []
-    assert problems([_alert(STRAGGLER, "none", description=slowest)], rank1_slow) == []
-    assert problems([_alert(STRAGGLER, "none", description=slowest)], equal)  # samples say no
-    assert problems([_alert(STRAGGLER, "none", description="no rank")], rank1_slow)
-    assert problems([_alert(STRAGGLER, "none", "firing", slowest)], rank1_slow)
-    assert problems([_alert("SlowRank", "checkpoint", description=slowest)], rank1_slow)
+    assert problems([_alert(STRAGGLER, "none", **worker1)], rank1_slow) == []
+    assert problems([_alert(STRAGGLER, "none", "firing", **worker1)], rank1_slow) == []
+    assert problems([_alert(STRAGGLER, "none", verdict="spread")], rank1_slow) == []
+    assert problems([_alert(STRAGGLER, "none", **worker1)], equal)  # samples say no
+    assert problems([_alert(STRAGGLER, "none", verdict="spread")], equal)
+    assert problems([_alert(STRAGGLER, "none", verdict="worker", rank="2")], rank1_slow)
+    assert problems([_alert(STRAGGLER, "none", verdict="worker")], rank1_slow)
+    assert problems([_alert(STRAGGLER, "none", verdict="stage", pp_rank="1")], rank1_slow)
+    assert problems([_alert("SlowRank", "checkpoint", **worker1)], rank1_slow)
     assert problems([_alert("LossSpike", "none")], rank1_slow)
