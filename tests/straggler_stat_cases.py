@@ -121,6 +121,13 @@ CASES = [
          "minute, one rank at a time over the last minute: StragglerSlowdownHigh silent", "m",
          Scenario(ranks=8, minutes=20, contention=(2.0, 60.0, 120.0), seed=14),
          run_silent=[(15, 1200)]),
+    Case("a rank stopped for 20 s at 5m (under the 30 s hang threshold), then resumed: its one "
+         "long step is no straggler, StragglerSlowdownHigh silent", "n",
+         Scenario(ranks=8, minutes=12, stall=(2, 300.0, 20.0), seed=21),
+         run_silent=[(15, 720)]),
+    Case("the same stop for 90 s (3x the hang threshold): silent after it ends", "o",
+         Scenario(ranks=8, minutes=12, stall=(2, 300.0, 90.0), seed=23),
+         run_silent=[(15, 720)]),
 ]
 
 

@@ -87,3 +87,13 @@ def test_the_committed_promtool_file_is_the_generated_one() -> None:
     assert committed == straggler_stat_cases.render(), (
         "alert_rules/tests/stragglers_stat_test.yml is stale: run "
         "`python -m tests.straggler_stat_cases`")
+
+
+def test_a_stall_is_one_long_step_that_every_rank_waits_for() -> None:
+    table = scrapes(Scenario(ranks=2, minutes=2, jitter=0.0, stall=(1, 30.0, 20.0)))
+    before, after = table[2], table[-1]  # 30 s, 120 s
+    stalled = [a.compute - b.compute for a, b in zip(after, before, strict=True)]
+    waited = [a.duration - b.duration for a, b in zip(after, before, strict=True)]
+    steps = after[0].steps - before[0].steps
+    assert stalled[1] - stalled[0] == pytest.approx(20.0)  # rank 1 computed 20 s longer
+    assert waited[0] == waited[1] == pytest.approx(steps * 1.0 + 20.0)  # both stepped as slowly

@@ -33,7 +33,10 @@ class Scenario:
     `slow` maps a rank to (factor, from_s): from `from_s` seconds on (until `slow_until`), it
     computes `factor` times longer. `contention` = (factor, period_s, from_s): from `from_s` on,
     one rank at a time computes `factor` times longer, a different one each `period_s` (rank k
-    in period k, cycling), as CPU contention that moves between ranks does. `pause` =
+    in period k, cycling), as CPU contention that moves between ranks does. `stall` =
+    (rank, at_s, seconds): the first step from `at_s` on takes `seconds` longer on that rank
+    (a rank stopped and resumed, a long host-side pause), every other rank waiting for it in
+    the step's collective. `pause` =
     (from_s, to_s): no steps, every rank in the `pause_phase` phase (a checkpoint or an
     evaluation that every rank takes part in).
     """
@@ -46,6 +49,7 @@ class Scenario:
     slow: dict[int, tuple[float, float]] = field(default_factory=dict)
     slow_until: float = math.inf
     contention: tuple[float, float, float] | None = None
+    stall: tuple[int, float, float] | None = None
     pause: tuple[float, float] | None = None
     pause_phase: str = "checkpoint"
     seed: int = 0
@@ -94,12 +98,16 @@ def _steps(scenario: Scenario) -> Iterator[tuple[float, float, list[float]]]:
     phase)."""
     rng = random.Random(scenario.seed)
     t, end = 0.0, scenario.minutes * 60
+    stall = scenario.stall
     while t < end:
         if scenario.paused(t):
             t = scenario.pause[1]  # type: ignore[index]
             continue
         computes = [scenario.base * scenario.slowdown(r, t)
                     * (1 + scenario.jitter * rng.uniform(-1, 1)) for r in range(scenario.ranks)]
+        if stall is not None and t >= stall[1]:
+            computes[stall[0]] += stall[2]
+            stall = None
         duration = max(computes) + scenario.transfer
         t += duration
         yield t, duration, computes
