@@ -17,17 +17,19 @@ fails it.
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from robust_metrics import rules
-from robust_metrics.workloads.straggler_series import SCRAPE_S, Scenario, promtool_series
+from robust_metrics.workloads.straggler_series import (
+    SCRAPE_S,
+    Scenario,
+    promtool_file,
+    promtool_series,
+)
 
-__all__ = ["CASES", "PATH", "Case", "promtool_file", "render"]
+__all__ = ["CASES", "PATH", "Case", "render"]
 
 PATH = Path(__file__).resolve().parent.parent / "alert_rules" / "tests" / "stragglers_stat_test.yml"
 RULE_FILES = ("../training.yml", "../stragglers.yml", "../attribution.yml")
@@ -172,16 +174,6 @@ def _flagged(case: Case, at: float, labels: dict[str, str]) -> tuple[str, float,
             f'(ALERTS{{alertname="{SLOWDOWN}",alertstate="firing"}})')
     text = ",".join(f'{k}="{v}"' for k, v in {"run": case.run, **labels}.items())
     return expr, at, f"{{{text}}}", 1
-
-
-def promtool_file(header: str, rule_files: Sequence[str], tests: list[dict[str, Any]]) -> str:
-    """A generated promtool test file: `tests` over `rule_files` (paths relative to
-    alert_rules/tests), the groups evaluated in their files' order, every 15 s."""
-    order = [g["name"] for f in rule_files
-             for g in yaml.safe_load((PATH.parent / f).read_text())["groups"]]
-    spec = {"rule_files": list(rule_files), "evaluation_interval": "15s",
-            "group_eval_order": order, "tests": tests}
-    return header + yaml.safe_dump(spec, sort_keys=False, width=100)
 
 
 def render() -> str:

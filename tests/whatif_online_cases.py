@@ -31,8 +31,8 @@ from typing import Any
 from robust_metrics import rules
 from robust_metrics.analysis.whatif import WhatIfResult, analyze, load_model
 from robust_metrics.analysis.whatif.report import verdict
+from robust_metrics.workloads.straggler_series import promtool_file
 from robust_metrics.workloads.trace_series import promtool_series
-from tests.straggler_stat_cases import promtool_file
 
 __all__ = ["CHECK_MINUTES", "FIRING_AT", "PATH", "RUN", "SLOW_RANK_SILENT", "ST", "TOLERANCE",
            "render", "whatif"]

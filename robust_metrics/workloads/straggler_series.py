@@ -17,10 +17,17 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
-__all__ = ["SCRAPE_S", "Scenario", "Scrape", "promtool_series", "scrape_series", "scrapes"]
+import yaml
+
+from robust_metrics import rules
+
+__all__ = ["SCRAPE_S", "Scenario", "Scrape", "promtool_file", "promtool_series", "scrape_series",
+           "scrapes"]
 
 SCRAPE_S = 15.0
 """Seconds between scrapes, Prometheus' default interval and the rules' design point."""
@@ -180,3 +187,15 @@ def scrape_series(table: list[list[Scrape]], run: str, *, pause_phase: str = "ch
         out.append({"series": f'robust_rank_info{{{labels},node="n{rank}"{info}}}',
                     "values": f"1x{len(rows) - 1}"})
     return out
+
+
+def promtool_file(header: str, rule_files: Sequence[str], tests: list[dict[str, Any]], *,
+                  directory: Path = rules.RULES_DIR / "tests") -> str:
+    """A promtool test file: `tests` over `rule_files` (paths relative to `directory`, where the
+    file will be; alert_rules/tests by default), the groups evaluated in their files' order,
+    every 15 s."""
+    order = [g["name"] for f in rule_files
+             for g in yaml.safe_load((directory / f).read_text())["groups"]]
+    spec = {"rule_files": list(rule_files), "evaluation_interval": "15s",
+            "group_eval_order": order, "tests": tests}
+    return header + yaml.safe_dump(spec, sort_keys=False, width=100)
