@@ -92,6 +92,7 @@ class Fault:
 HANG = frozenset({"TrainingHang"})
 SLOW = frozenset({"StragglerSlowdownHigh", "ThroughputDrop"})
 SLOW_FORMULA = "60 s x 0.2 / (R - 1) + 45 s + ≤ 15 s + ≤ 15 s"
+STAT_FORMULA = "≈ 240-255 s (z-test held 75% of 3 min) + ≤ 15 s + ≤ 15 s"
 
 
 def faults(healthy_seconds: float) -> list[Fault]:
@@ -131,6 +132,18 @@ def faults(healthy_seconds: float) -> list[Fault]:
                                              "--compute", "0.1"],
                 "SlowRank", 1, SLOW, formula=SLOW_FORMULA)
           for factor in ("1.3", "2") for where in ("forward", "backward")],
+        # the study's threshold: 1.1x and 1.2x named by the statistical test, 1.05x recorded
+        # (its z) but never alerted, for 80 s (20 minutes at the defaults)
+        *[Fault(f"slow-{factor}x-forward", ["--slow-rank", "1", "--slow-factor", factor,
+                                             "--slow-where", "forward", "--slow-step", step,
+                                             "--compute", "0.1"],
+                "SlowRank", 1, SLOW, formula=STAT_FORMULA, timeout=90)
+          for factor in ("1.1", "1.2")],
+        Fault("slow-1.05x-forward", ["--slow-rank", "1", "--slow-factor", "1.05",
+                                     "--slow-where", "forward", "--slow-step", step,
+                                     "--compute", "0.1", "--duration", "80",
+                                     "--shutdown-seconds", "3"],
+              None, inject="none", formula="nothing (recorded, not alerted)", timeout=140),
         Fault("data-stall", ["--stall-step", step, "--stall-seconds", "8"], "TrainingHang", None,
               frozenset({"ThroughputDrop"}), formula="30 s + ≤ 15 s + ≤ 15 s"),
         Fault("gc-storm", ["--gc-rank", "2", "--slow-step", step, "--compute", "0.1"],
