@@ -115,6 +115,26 @@ def test_restarted_rank_leaves_no_stale_series_and_no_double_count(tmp_path: Pat
     again.close()
 
 
+def test_one_scrape_sees_one_state_of_a_restarting_rank(tmp_path: Path, live: set[int]) -> None:
+    """A scrape's collectors each ask for the folder's state; a rank restarted between two of
+    them must not show its new process's steps beside its dead predecessor's liveness."""
+    folder = make_folder(tmp_path, live)  # no cache: every snapshot() reads anew
+    old = FakeRank(tmp_path, 300)
+    live.add(300)
+    old.step(2)
+    with folder.one_scrape() as pinned:
+        live.discard(300)  # killed and restarted while the scrape runs
+        new = FakeRank(tmp_path, 301)
+        live.add(301)
+        new.step(3)
+        assert folder.snapshot() is pinned
+        assert pinned.alive == {300: True}
+    after = folder.snapshot()
+    assert after is not pinned
+    assert after.alive == {300: False, 301: True}
+    folder.close()
+
+
 def test_dead_files_wait_for_quiet_period_before_merge(tmp_path: Path, live: set[int]) -> None:
     rank = FakeRank(tmp_path, 301)
     rank.step(3)

@@ -107,7 +107,12 @@ def create_app(config: SidecarConfig, registry: ScrapeRegistry, folder: RankFold
             return PlainTextResponse("unauthorized\n", status_code=401,
                                      headers={"WWW-Authenticate": 'Basic realm="robust-metrics"'})
         encoder, content_type = choose_encoder(request.headers.get("accept"))
-        body = await run_in_threadpool(encoder, prom_registry)
+
+        def encode() -> bytes:
+            with folder.one_scrape():  # every collector of this scrape reads the same state
+                return encoder(prom_registry)
+
+        body = await run_in_threadpool(encode)
         headers = {}
         if "gzip" in request.headers.get("accept-encoding", ""):
             body = gzip.compress(body, compresslevel=1)

@@ -40,7 +40,7 @@ import os
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import psutil
@@ -334,6 +334,7 @@ class RankFolder:
         self.cache_seconds = cache_seconds
         self._alive = alive
         self._lock = threading.Lock()
+        self._scrape = threading.local()
         self._snapshot: Snapshot | None = None
         self._snapshot_at = 0.0
         self._archive = _Archive(directory)
@@ -355,13 +356,30 @@ class RankFolder:
         self._archive.release()
 
     def snapshot(self) -> Snapshot:
-        """The folder's state, at most `cache_seconds` old; concurrent scrapes share one read."""
+        """The folder's state, at most `cache_seconds` old; concurrent scrapes share one read.
+        Inside `one_scrape()` the same snapshot every time, however old."""
+        pinned: Snapshot | None = getattr(self._scrape, "snapshot", None)
+        if pinned is not None:
+            return pinned
         with self._lock:
             now = time.monotonic()
             if self._snapshot is None or now - self._snapshot_at >= self.cache_seconds:
                 self._snapshot = self._read()
                 self._snapshot_at = time.monotonic()
             return self._snapshot
+
+    @contextlib.contextmanager
+    def one_scrape(self) -> Iterator[Snapshot]:
+        """Pin one snapshot for every `snapshot()` of this thread until the block ends. The
+        collectors of one scrape each ask for the folder's state; without the pin, the cache
+        could expire between two of them, and a scrape would show a restarted rank's new steps
+        beside its dead predecessor's liveness."""
+        outer: Snapshot | None = getattr(self._scrape, "snapshot", None)
+        self._scrape.snapshot = outer or self.snapshot()
+        try:
+            yield self._scrape.snapshot
+        finally:
+            self._scrape.snapshot = outer
 
     # -- reading ---------------------------------------------------------------------------
     def _read(self) -> Snapshot:
