@@ -231,7 +231,9 @@ def measure_prometheus(args: argparse.Namespace, exporter: Exporter, rule_file: 
     with prom:
         durations: dict[str, list[float]] = {}
         seen: set[tuple[str, str]] = set()
-        appended = _sum(_metrics(prom.url), "prometheus_tsdb_head_samples_appended_total")
+        start = _metrics(prom.url)
+        appended = _sum(start, "prometheus_tsdb_head_samples_appended_total")
+        cpu = _sum(start, "process_cpu_seconds_total")
         t0 = time.monotonic()
         deadline = time.monotonic() + args.duration
         while time.monotonic() < deadline:
@@ -242,8 +244,11 @@ def measure_prometheus(args: argparse.Namespace, exporter: Exporter, rule_file: 
                     continue
                 seen.add(key)
                 durations.setdefault(group["name"], []).append(group["evaluationTime"])
-        appended = (_sum(_metrics(prom.url), "prometheus_tsdb_head_samples_appended_total")
-                    - appended) / (time.monotonic() - t0)
+        end, elapsed = _metrics(prom.url), time.monotonic() - t0
+        appended = (_sum(end, "prometheus_tsdb_head_samples_appended_total") - appended) / elapsed
+        # cores Prometheus kept busy (scrapes, ingestion, rules, compaction): at the machine's
+        # core count, group times are mostly waiting for a core
+        cpu = (_sum(end, "process_cpu_seconds_total") - cpu) / elapsed
         slowest = sorted(((r["evaluationTime"], r["name"])
                           for g in prom.api("rules")["groups"] for r in g["rules"]),
                          reverse=True)[:8]
@@ -283,6 +288,8 @@ def measure_prometheus(args: argparse.Namespace, exporter: Exporter, rule_file: 
         "recorded_rank_series_per_rank": recorded_rank / args.ranks,
         "head_series_total": head["numSeries"],
         "samples_appended_per_s": appended,
+        "prometheus_cpu_cores": round(cpu, 2),
+        "machine_cores": psutil.cpu_count(),
         "prometheus_rss_gib": rss / 2**30,
         "scrape_duration_s_max": max(scrape_s, default=0.0),
         "rule_errors": errors,

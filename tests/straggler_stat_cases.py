@@ -64,7 +64,7 @@ CASES = [
     Case("a rank 1.1x slower from 5m is named within 5 minutes of the change (the fixed 1.2 "
          "ratio never names it)", "a",
          Scenario(ranks=8, minutes=10, slow={3: (1.1, 300.0)}, seed=1),
-         run_silent=[(15, 600)], silent=[(15, 420)], named=[(555, 3, "1.09")],
+         run_silent=[(15, 600)], silent=[(15, 420)], named=[(555, 3, "1.10")],
          exprs=[("count by (run, rank) (run_rank:robust_step_compute_seconds:slow1m)", 555,
                  '{run="a",rank="3"}', 1)]),
     Case("a rank 1.3x slower from 5m is named within 2 minutes (the fixed-ratio branch)", "b",
