@@ -305,6 +305,7 @@ def measure_prometheus(args: argparse.Namespace, exporter: Exporter, rule_file: 
         "quiet_slowest_rules_s": sorted(((round(t, 4), n) for n, t in per_rule.items()),
                                         reverse=True)[:8],
         "quiet_replay_s": {name: round(min(v), 4) for name, v in quiet.items()},
+        "quiet_rules_s": {name: round(t, 4) for name, t in per_rule.items()},
         "groups": _group_table(durations),
     }
 
