@@ -33,11 +33,12 @@ PER_RANK_RULES = frozenset({
     "run_rank:robust_step_age_seconds:max",
     "run_rank:robust_step_compute_seconds:mean5m",
     "run_rank:robust_step_compute_seconds:mean1m",
-    "SlowRank",
     "NonFiniteLoss",
 })
 """Rules computed rank by rank, with no comparison between ranks inside the expression, and
-reading no record of their own group that is computed from every rank. (The collectives-entered
+reading no record of their own group that is computed from every rank. (SlowRank is not one:
+it counts the ranks that were its candidates in the run; it reads only sparse records and the
+ranks' topology. The collectives-entered
 record of a hang is per rank but reads whether the whole run hangs, which reads the step age of
 every rank: sharded, it would lag the hang by an evaluation; it is recorded only while a run
 hangs anyway.)"""

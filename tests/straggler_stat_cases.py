@@ -69,7 +69,9 @@ CASES = [
                  '{run="a",rank="3"}', 1)]),
     Case("a rank 1.3x slower from 5m is named within 2 minutes (the fixed-ratio branch)", "b",
          Scenario(ranks=8, minutes=7, slow={5: (1.3, 300.0)}, seed=2),
-         silent=[(15, 360)], named=[(405, 5, "1.30")]),
+         silent=[(15, 360)], named=[(405, 5, "1.30")],
+         exprs=[("count by (run, rank) (run_rank:robust_step_compute_seconds:over_ratio1m)", 405,
+                 '{run="b",rank="5"}', 1)]),
     Case("a rank 1.05x slower: significantly above its peers (z over 3) and recorded, but "
          "below the 5% a rank may differ by: never named", "c",
          Scenario(ranks=8, minutes=20, slow={2: (1.05, 120.0)}, seed=3),
@@ -120,9 +122,17 @@ CASES = [
          "l", Scenario(ranks=8, minutes=8, slow={2: (1.25, 0.0), 5: (1.25, 0.0)}, seed=13),
          run_silent=[(15, 300)], flagged=[(315, {"verdict": "spread"}), (480, {"verdict": "spread"})]),
     Case("contention that moves to another rank every minute at 2x: a different worker each "
-         "minute, one rank at a time over the last minute: StragglerSlowdownHigh silent", "m",
+         "minute, one rank at a time over the last minute: StragglerSlowdownHigh silent; "
+         "SlowRank silent once a second rank was its candidate (only the first contended "
+         "minute, which nothing tells from a new straggler, may be named)", "m",
          Scenario(ranks=8, minutes=20, contention=(2.0, 60.0, 120.0), seed=14),
-         run_silent=[(15, 1200)]),
+         run_silent=[(15, 1200)], silent=[(15, 120), (300, 1200)]),
+    Case("the same at 1.4x: the fixed 1.2 ratio passes on each contended rank for a minute, "
+         "longer than its 45 s hold; SlowRank silent once a second rank was its candidate",
+         "p", Scenario(ranks=8, minutes=20, contention=(1.4, 60.0, 120.0), seed=15),
+         run_silent=[(15, 1200)], silent=[(15, 120), (300, 1200)],
+         exprs=[("count by (run) (count_over_time(run_rank:robust_step_compute_seconds:"
+                 "over_ratio1m[20m]))", 1200, '{run="p"}', 8)]),
     Case("a rank stopped for 20 s at 5m (under the 30 s hang threshold), then resumed: its one "
          "long step is no straggler, StragglerSlowdownHigh silent", "n",
          Scenario(ranks=8, minutes=12, stall=(2, 300.0, 20.0), seed=21),

@@ -281,7 +281,8 @@ def test_time_scale_changes_for_and_windows_but_not_ratios() -> None:
     fast = {r.get("alert") or r.get("record"): r for g in rules.load_groups(time_scale=1 / 15)
             for r in g["rules"]}
     assert fast["SlowRank"]["for"] == "3s"
-    assert "1.2\n" in fast["SlowRank"]["expr"]
+    assert "1.2\n" in fast["run_rank:robust_step_compute_seconds:over_ratio1m"]["expr"]
+    assert "[8s]" in fast["SlowRank"]["expr"]
     assert "[4s]" in fast["run_rank:robust_step_compute_seconds:mean1m"]["expr"]
     assert "[20s]" in fast["run_rank:robust_step_duration_seconds:mean5m"]["expr"]
     assert "2  # seconds" in fast["run:robust_step_duration_seconds:hang_threshold"]["expr"]
