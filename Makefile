@@ -21,16 +21,25 @@ system-deps:
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
-# Two passes: the tests that start no real-time processes on TEST_WORKERS workers, then the
-# integration tests (real Prometheus, ranks, timing) one at a time, as their timing assumes.
-# Exit status 5 is "no test selected" (PYTEST_ARGS may name tests of one kind only).
+# Two passes: the tests that start no real-time processes on TEST_WORKERS workers (they use
+# the cores), then the integration tests (real Prometheus, ranks, timing) on
+# INTEGRATION_WORKERS: they mostly wait on real time (three of them use 1.4 cores of 2), and
+# each holds on a machine loaded by the others. A module's tests stay on one worker (its
+# Prometheus and sidecar are shared). Exit status 5 is "no test selected" (PYTEST_ARGS may name
+# tests of one kind only).
+# Each run in a new order (pytest-randomly), its seed in the command line make prints:
+# `make test TEST_SEED=N` repeats an order.
 TEST_WORKERS ?= 2
+INTEGRATION_WORKERS ?= 3
+ifndef TEST_SEED
+TEST_SEED := $(shell od -An -N4 -tu4 /dev/urandom | tr -d ' ')
+endif
 test: $(STAMP) system-deps lint
-	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not integration" --durations=15 $(PYTEST_ARGS) || [ $$? -eq 5 ]
-	$(VENV)/bin/pytest -q -m integration --durations=15 $(PYTEST_ARGS) || [ $$? -eq 5 ]
+	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not integration" --durations=15 --randomly-seed=$(TEST_SEED) $(PYTEST_ARGS) || [ $$? -eq 5 ]
+	$(VENV)/bin/pytest -q -n $(INTEGRATION_WORKERS) --dist loadfile -m integration --durations=15 --randomly-seed=$(TEST_SEED) $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 test-unit: $(STAMP) lint
-	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not integration" --durations=15 $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not integration" --durations=15 --randomly-seed=$(TEST_SEED) $(PYTEST_ARGS)
 
 demo: $(STAMP) system-deps
 	$(VENV)/bin/robust-metrics demo $(DEMO_ARGS)
