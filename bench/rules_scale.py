@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import statistics
 import sys
@@ -235,6 +236,7 @@ def measure_prometheus(args: argparse.Namespace, exporter: Exporter, rule_file: 
         start = _metrics(prom.url)
         appended = _sum(start, "prometheus_tsdb_head_samples_appended_total")
         cpu = _sum(start, "process_cpu_seconds_total")
+        machine = psutil.cpu_times()
         t0 = time.monotonic()
         deadline = time.monotonic() + args.duration
         while time.monotonic() < deadline:
@@ -250,6 +252,14 @@ def measure_prometheus(args: argparse.Namespace, exporter: Exporter, rule_file: 
         # cores Prometheus kept busy (scrapes, ingestion, rules, compaction): at the machine's
         # core count, group times are mostly waiting for a core
         cpu = (_sum(end, "process_cpu_seconds_total") - cpu) / elapsed
+        machine_end = psutil.cpu_times()
+        # the Go runtime's garbage collector: cycles, and the time it stopped the world
+        gc_cycles = (_sum(end, "go_gc_duration_seconds_count")
+                     - _sum(start, "go_gc_duration_seconds_count")) / elapsed
+        gc_pause = (_sum(end, "go_gc_duration_seconds_sum")
+                    - _sum(start, "go_gc_duration_seconds_sum")) / elapsed
+        machine_busy = _busy_seconds(machine_end, machine) / elapsed
+        steal = getattr(machine_end, "steal", 0.0) - getattr(machine, "steal", 0.0)
         slowest = sorted(((r["evaluationTime"], r["name"])
                           for g in prom.api("rules")["groups"] for r in g["rules"]),
                          reverse=True)[:8]
@@ -294,6 +304,13 @@ def measure_prometheus(args: argparse.Namespace, exporter: Exporter, rule_file: 
         "samples_appended_per_s": appended,
         "prometheus_cpu_cores": round(cpu, 2),
         "machine_cores": psutil.cpu_count(),
+        # every process's, the exporter's and this script's included
+        "machine_busy_cores": round(machine_busy, 2),
+        # cores the hypervisor gave to others while this VM had work
+        "machine_steal_cores": round(steal / elapsed, 2),
+        "gc_cycles_per_s": round(gc_cycles, 3),
+        "gc_pause_share": round(gc_pause, 5),
+        "gogc": os.environ.get("GOGC", "Prometheus' default"),
         "prometheus_rss_gib": rss / 2**30,
         "scrape_duration_s_max": max(scrape_s, default=0.0),
         "rule_errors": errors,
@@ -324,7 +341,8 @@ def _stop_rule_groups(prom: Prometheus, rule_file: Path, timeout: float = 60.0) 
 
 
 def _metrics(url: str) -> dict[str, float]:
-    """One scrape of a VictoriaMetrics component's own /metrics, as {sample line name: value}."""
+    """One scrape of a component's own /metrics (Prometheus, VictoriaMetrics), as {sample line
+    name: value}."""
     import httpx
 
     out: dict[str, float] = {}
@@ -333,6 +351,13 @@ def _metrics(url: str) -> dict[str, float]:
             name, _, value = line.rpartition(" ")
             out[name] = float(value)
     return out
+
+
+def _busy_seconds(end: Any, start: Any) -> float:
+    """CPU seconds the machine spent running anything, between two `psutil.cpu_times()`
+    (guest time is in user time already; steal is the hypervisor's, reported apart)."""
+    skip = ("idle", "iowait", "steal", "guest", "guest_nice")
+    return sum(getattr(end, f) - getattr(start, f) for f in end._fields if f not in skip)
 
 
 def _sum(metrics: dict[str, float], prefix: str) -> float:

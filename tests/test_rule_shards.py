@@ -37,11 +37,13 @@ def _render_sharded_sources(into: Path, shards: int) -> dict[str, list[str]]:
     return order
 
 
-@pytest.mark.parametrize("shards", [3, 8])
-def test_sharded_rules_pass_every_promtool_unit_test(tmp_path: Path, shards: int) -> None:
-    """The unit tests, unchanged, against sharded rules. Groups are evaluated in file order
-    (shards before the run-level rules that read them), as promtool does when told an order;
-    in a live Prometheus that read may be one evaluation older."""
+def test_sharded_rules_pass_every_promtool_unit_test(tmp_path: Path) -> None:
+    """The unit tests, unchanged, against rules in 3 rank shards (the cases' ranks then fall in
+    every shard, several in some, none in others; which rank goes where is tested for 2-100
+    shards below). Groups are evaluated in file order (shards before the run-level rules that
+    read them), as promtool does when told an order; in a live Prometheus that read may be one
+    evaluation older."""
+    shards = 3
     promtool = require_binary("promtool")
     order = _render_sharded_sources(tmp_path, shards)
     shutil.copytree(RULES / "tests", tmp_path / "tests")

@@ -1,6 +1,6 @@
 """FSDP2 and pipelines on real GPUs with NCCL: a slowed rank is named from CUDA-event timing.
 
-The same job as tests/integration/test_parallelism_gloo.py (`parallel_job.py`), with
+The same job as the gloo tests (tests/integration/parallel_jobs.py), with
 `--device cuda`: one GPU per rank, NCCL, FSDP2's all-gathers and reduce-scatters on their own
 streams, P2P works waited on the compute stream, compute as GPU kernels of a known length. What
 tests/test_gpu_sim.py proves by simulation must hold here: rank 1, 1.3x slower in one phase, is
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.test_parallelism_gloo import assert_named, run_job, series, value
+from tests.integration.parallel_jobs import assert_named, run_job, series, value
 
 pytestmark = [pytest.mark.gpu, pytest.mark.integration]
 STEPS = 20

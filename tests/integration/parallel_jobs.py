@@ -1,0 +1,122 @@
+"""Real gloo jobs of `robust_metrics/workloads/parallel_job.py` (FSDP2, tensor parallelism,
+pipeline schedules, 2-D meshes, torch.compile) with one `watch()` line, and how the tests read
+what `watch()` wrote: prometheus_client's own MultiProcessCollector over the rank folder.
+Shared by the tests of each parallelism (test_parallelism_gloo.py, test_slow_rank_*_gloo.py, and
+test_parallelism_gpu.py on a GPU)."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.multiprocess import MultiProcessCollector
+
+from robust_metrics import workloads
+from robust_metrics.processes import RankJob
+
+JOB = Path(workloads.__file__).resolve().parent / "parallel_job.py"
+STEPS = 16
+
+
+def run_job(tmp_path: Path, world: int, *args: str, steps: int = STEPS,
+            env: dict[str, str] | None = None) -> dict[str, list[tuple[str, dict, float]]]:
+    """Run the job; its samples by rank: (name, labels without run and rank, value)."""
+    folder, logs = tmp_path / "metrics", tmp_path / "logs"
+    folder.mkdir()
+    logs.mkdir()
+    with RankJob(world, ["--steps", str(steps), *args], script=JOB, log_dir=logs,
+                 env={"ROBUST_METRICS_DIR": str(folder), **(env or {})}, run="parallel") as job:
+        codes = job.wait(timeout=240)
+        assert codes == [0] * world, job.logs()
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, path=str(folder))
+    samples: dict[str, list[tuple[str, dict, float]]] = {}
+    for family in registry.collect():
+        for s in family.samples:
+            labels = {k: v for k, v in s.labels.items() if k not in ("run", "rank")}
+            samples.setdefault(s.labels.get("rank", ""), []).append((s.name, labels, s.value))
+    return samples
+
+
+def value(samples: dict, rank: int, name: str, **labels: str) -> float:
+    found = [v for n, ls, v in samples[str(rank)] if n == name and ls == labels]
+    assert found, f"rank {rank} has no {name}{labels}"
+    return found[0]
+
+
+def series(samples: dict, rank: int, name: str) -> list[tuple[dict, float]]:
+    return [(ls, v) for n, ls, v in samples[str(rank)] if n == name]
+
+
+def mean_compute(samples: dict, rank: int) -> float:
+    return (value(samples, rank, "robust_step_compute_seconds_sum")
+            / value(samples, rank, "robust_step_compute_seconds_count"))
+
+
+def assert_named(samples: dict, world: int, slow: int) -> None:
+    """Compute ratios against the median of the other ranks: the slowed one >= 1.2, no other
+    above 1.1 (with 2 ranks the median of both would halve any difference)."""
+    computes = [mean_compute(samples, r) for r in range(world)]
+    median = statistics.median(c for r, c in enumerate(computes) if r != slow)
+    ratios = [c / median for c in computes]
+    assert ratios[slow] >= 1.2, ratios
+    assert all(r <= 1.1 for i, r in enumerate(ratios) if i != slow), ratios
+
+
+def assert_clean(samples: dict, world: int, groups: set[str]) -> None:
+    """Every step counted, no hook error, every collective entered completed, in named groups;
+    sends and receives counted per pair of ranks (`group:0-1`), equal on both ends."""
+    pairs: dict[str, set[float]] = {}
+    for rank in range(world):
+        assert value(samples, rank, "robust_steps_total") == STEPS
+        assert value(samples, rank, "robust_global_step") == STEPS
+        assert series(samples, rank, "robust_hook_errors_total") == []
+        entered = {ls["group"]: v for ls, v in series(samples, rank,
+                                                       "robust_collectives_entered_total") if v}
+        completed = {ls["group"]: v for ls, v in series(samples, rank,
+                                                         "robust_collectives_completed_total") if v}
+        assert entered == completed, (entered, completed)
+        assert {g.split(":")[0] for g in entered} == groups, entered
+        for group, count in entered.items():
+            if ":" in group:
+                pairs.setdefault(group, set()).add(count)
+    assert all(len(counts) == 1 for counts in pairs.values()), pairs
+
+
+def info(samples: dict, rank: int) -> dict[str, str]:
+    (labels, _), = series(samples, rank, "robust_rank_info")
+    return {k: labels[k] for k in ("dp_rank", "pp_rank", "tp_rank")}
+
+
+# The slow-rank cases, by stack.
+CASES = {
+    # id: (world, slow rank, groups with collectives, job arguments)
+    "fsdp2-forward": (2, 1, {"default_pg"}, ["--stack", "fsdp2", "--slow-where", "forward"]),
+    "fsdp2-no-reshard-backward": (2, 0, {"default_pg"}, [
+        "--stack", "fsdp2", "--reshard-after-forward", "false", "--slow-where", "backward"]),
+    "fsdp2-optimizer": (2, 1, {"default_pg"}, ["--stack", "fsdp2", "--slow-where", "optimizer"]),
+    "tp-forward": (2, 1, {"default_pg"}, ["--stack", "tp", "--slow-where", "forward"]),
+    "tp-sequence-parallel-forward": (2, 0, {"default_pg"}, [
+        "--stack", "tp", "--sequence-parallel", "--slow-where", "forward"]),
+    "pp-gpipe-forward": (2, 1, {"default_pg"}, ["--stack", "pp", "--schedule", "gpipe"]),
+    "pp-1f1b-backward": (2, 0, {"default_pg"}, [
+        "--stack", "pp", "--schedule", "1f1b", "--slow-where", "backward"]),
+    "pp-interleaved-optimizer": (2, 1, {"default_pg"}, [
+        "--stack", "pp", "--schedule", "interleaved", "--slow-where", "optimizer"]),
+    "fsdp2-x-tp-forward": (4, 2, {"mesh_dp", "mesh_tp"}, ["--stack", "fsdp2_tp"]),
+    "pp-x-fsdp2-forward": (4, 1, {"mesh_pp", "mesh_dp"}, ["--stack", "pp_fsdp2"]),
+}
+
+
+def run_slow_rank_case(tmp_path: Path, case: str) -> None:
+    """One case of CASES: the slowed rank is named by its compute, and the job is clean."""
+    world, slow, groups, args = CASES[case]
+    # The simulated compute must dominate the real work (schedules, FSDP, gloo), which grows
+    # under CPU contention and dilutes the 1.3x: 4 ranks on 2 cores, and an interleaved
+    # schedule's many small calls, get more.
+    compute = "0.6" if world == 4 or "interleaved" in args else "0.4"
+    samples = run_job(tmp_path, world, *args, "--slow-rank", str(slow), "--slow-factor", "1.3",
+                      "--compute", compute)
+    assert_clean(samples, world, groups)
+    assert_named(samples, world, slow)
