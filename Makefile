@@ -22,15 +22,14 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 # Two passes: the tests that start no real-time processes on TEST_WORKERS workers (they use
-# the cores), then the integration tests (real Prometheus, ranks, timing) on
-# INTEGRATION_WORKERS: they mostly wait on real time (three of them use 1.4 cores of 2), and
-# each holds on a machine loaded by the others. A module's tests stay on one worker (its
-# Prometheus and sidecar are shared). Exit status 5 is "no test selected" (PYTEST_ARGS may name
-# tests of one kind only).
+# the cores), then the integration tests (real Prometheus, ranks, timing) one at a time. They
+# mostly wait on real time, and INTEGRATION_WORKERS=3 runs them in about 10 minutes instead of
+# 22 on 2 cores, but not yet reliably (one run in three failed: docs/architecture.md, open ends).
+# Exit status 5 is "no test selected" (PYTEST_ARGS may name tests of one kind only).
 # Each run in a new order (pytest-randomly), its seed in the command line make prints:
 # `make test TEST_SEED=N` repeats an order.
 TEST_WORKERS ?= 2
-INTEGRATION_WORKERS ?= 3
+INTEGRATION_WORKERS ?= 0
 ifndef TEST_SEED
 TEST_SEED := $(shell od -An -N4 -tu4 /dev/urandom | tr -d ' ')
 endif

@@ -96,6 +96,7 @@ def notify_bridge(bridge: BridgeProcess, fingerprint: str) -> None:
 class Stack:
     prom: PrometheusServer
     fault_seen_at: float
+    xid_seen_at: float
 
     def query(self, expr: str, at: float | None = None) -> list[dict[str, Any]]:
         return self.prom.query(expr, at)
@@ -144,6 +145,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         fault = wait_for_series(prom, f'robust_nonfinite_loss_steps_total{{run="{RUN}"}} > 0',
                                 timeout=30)
         fault_seen_at = float(fault[0]["value"][0])
+        xid = wait_for_series(prom, "robust_gpu_xid_errors_total > 0", timeout=60)
+        xid_seen_at = float(xid[0]["value"][0])
         # two alert instances, so rates over the bridge's counters and histogram are non-zero
         notify_bridge(bridge, "e2e-1")
         wait_for_series(prom, f'robust_bridge_actions_total{{run="{RUN}"}}', timeout=30)
@@ -159,7 +162,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
                      "robust_gpu_xid_errors_total", "robust_gpu_utilization_ratio"):
             wait_for_series(prom, expr, timeout=60)
         time.sleep(10)
-        yield Stack(prom, fault_seen_at)
+        yield Stack(prom, fault_seen_at, xid_seen_at)
     except AssertionError as exc:
         logs = ((job.logs() if job else "") + "\n--- sidecar ---\n" + sidecar.log_tail()
                 + "\n--- bridge ---\n" + bridge.log())
@@ -212,8 +215,10 @@ def test_fault_panels_show_the_injected_faults(stack: Stack) -> None:
     failures = []
     for uid, title, expr in targets_needing(FAULTS):
         query = dashboards.expand(expr, values())
-        # the NaN happened once, early: look at the rate window that holds it
-        at = stack.fault_seen_at + 5 if "nonfinite" in expr else None
+        # the NaN and the XID happened once, early: look at the rate window that holds each
+        # (the module's other tests may have run for minutes since)
+        at = (stack.fault_seen_at + 5 if "nonfinite" in expr
+              else stack.xid_seen_at + 5 if "xid" in expr else None)
         result = stack.query(query, at)
         if not any(float(s["value"][1]) > 0 for s in result):
             failures.append(f"{uid} / {title}: no non-zero value for {query}: {result}")
