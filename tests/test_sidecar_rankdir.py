@@ -135,6 +135,37 @@ def test_one_scrape_sees_one_state_of_a_restarting_rank(tmp_path: Path, live: se
     folder.close()
 
 
+def test_a_rank_that_starts_between_the_two_scans_is_seen_with_its_identity(
+        tmp_path: Path, live: set[int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A restarted rank writes its identity, then its metric files. A read that scanned the
+    identities just before the new one was written, and the metric files just after, must not
+    show the new process's metrics beside only its dead predecessor's identity (the process
+    collector would then report the rank not alive, with an exit time)."""
+    folder = make_folder(tmp_path, live)
+    old = FakeRank(tmp_path, 400)
+    live.add(400)
+    old.step(2)
+    folder.snapshot()
+    live.discard(400)  # killed
+    scan = folder._identities
+    before_restart = scan()  # the identities as they were before the new rank wrote its own
+    calls = []
+
+    def identities_then_restart() -> dict:
+        calls.append(1)
+        return before_restart if len(calls) == 1 else scan()
+
+    monkeypatch.setattr(folder, "_identities", identities_then_restart)
+    new = FakeRank(tmp_path, 401)
+    live.add(401)
+    new.step(3)
+    folder._snapshot = None
+    snapshot = folder.snapshot()
+    assert set(snapshot.identities) == {400, 401}
+    assert snapshot.alive == {400: False, 401: True}
+    folder.close()
+
+
 def test_dead_files_wait_for_quiet_period_before_merge(tmp_path: Path, live: set[int]) -> None:
     rank = FakeRank(tmp_path, 301)
     rank.step(3)

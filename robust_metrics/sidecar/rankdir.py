@@ -400,6 +400,12 @@ class RankFolder:
                     with contextlib.suppress(OSError):
                         mtime = entry.stat(follow_symlinks=False).st_mtime
                         written[db.pid] = max(mtime, written.get(db.pid, mtime))
+        if set(files) - set(identities):
+            # A rank writes its identity before its metric files: files of a pid without one
+            # may be a rank that started between the two scans. Scan again (unchanged identity
+            # files come from the cache), or its metrics would show beside its predecessor's
+            # identity, which reads as the rank not alive.
+            identities = self._identities()
         pids = set(files) | set(identities)
         alive = {}
         for pid in pids:
