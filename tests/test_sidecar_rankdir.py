@@ -135,12 +135,12 @@ def test_one_scrape_sees_one_state_of_a_restarting_rank(tmp_path: Path, live: se
     folder.close()
 
 
-def test_a_rank_that_starts_between_the_two_scans_is_seen_with_its_identity(
+def test_a_rank_that_starts_during_a_read_is_seen_whole_or_not_at_all(
         tmp_path: Path, live: set[int], monkeypatch: pytest.MonkeyPatch) -> None:
-    """A restarted rank writes its identity, then its metric files. A read that scanned the
-    identities just before the new one was written, and the metric files just after, must not
-    show the new process's metrics beside only its dead predecessor's identity (the process
-    collector would then report the rank not alive, with an exit time)."""
+    """A restarted rank writes its identity, then its metric files. A read during which it
+    starts must not show the new process's metrics beside only its dead predecessor's identity
+    (the process collector would then report the rank not alive, with an exit time): the rank
+    here starts right after the read has scanned the identities."""
     folder = make_folder(tmp_path, live)
     old = FakeRank(tmp_path, 400)
     live.add(400)
@@ -148,21 +148,24 @@ def test_a_rank_that_starts_between_the_two_scans_is_seen_with_its_identity(
     folder.snapshot()
     live.discard(400)  # killed
     scan = folder._identities
-    before_restart = scan()  # the identities as they were before the new rank wrote its own
-    calls = []
+    started: list[FakeRank] = []
 
-    def identities_then_restart() -> dict:
-        calls.append(1)
-        return before_restart if len(calls) == 1 else scan()
+    def scan_then_restart() -> dict:
+        found = scan()
+        if not started:
+            started.append(FakeRank(tmp_path, 401))
+            live.add(401)
+            started[0].step(3)
+        return found
 
-    monkeypatch.setattr(folder, "_identities", identities_then_restart)
-    new = FakeRank(tmp_path, 401)
-    live.add(401)
-    new.step(3)
+    monkeypatch.setattr(folder, "_identities", scan_then_restart)
     folder._snapshot = None
-    snapshot = folder.snapshot()
-    assert set(snapshot.identities) == {400, 401}
-    assert snapshot.alive == {400: False, 401: True}
+    during = folder.snapshot()
+    assert set(during.alive) <= set(during.identities), (during.alive, during.identities)
+    folder._snapshot = None
+    after = folder.snapshot()
+    assert set(after.identities) == {400, 401}
+    assert after.alive == {400: False, 401: True}
     folder.close()
 
 

@@ -389,7 +389,6 @@ class RankFolder:
         if not archive.owner:
             archive.load_if_changed()
         self._budget = self.max_scrape_bytes
-        identities = self._identities()
         files: dict[int, list[DbFile]] = defaultdict(list)
         written: dict[int, float] = {}
         with os.scandir(self.directory) as it:
@@ -400,12 +399,11 @@ class RankFolder:
                     with contextlib.suppress(OSError):
                         mtime = entry.stat(follow_symlinks=False).st_mtime
                         written[db.pid] = max(mtime, written.get(db.pid, mtime))
-        if set(files) - set(identities):
-            # A rank writes its identity before its metric files: files of a pid without one
-            # may be a rank that started between the two scans. Scan again (unchanged identity
-            # files come from the cache), or its metrics would show beside its predecessor's
-            # identity, which reads as the rank not alive.
-            identities = self._identities()
+        # After the metric files: a rank writes its identity before them, so every rank whose
+        # files were seen has its identity seen too. Read the other way round, a rank started
+        # between the two scans would show its metrics beside only its dead predecessor's
+        # identity, which reads as the rank not alive.
+        identities = self._identities()
         pids = set(files) | set(identities)
         alive = {}
         for pid in pids:
