@@ -33,12 +33,15 @@ INTEGRATION_WORKERS ?= 0
 ifndef TEST_SEED
 TEST_SEED := $(shell od -An -N4 -tu4 /dev/urandom | tr -d ' ')
 endif
+PYTEST = $(VENV)/bin/pytest -q --dist loadfile --durations=15 --randomly-seed=$(TEST_SEED)
+UNIT = $(PYTEST) -n $(TEST_WORKERS) -m "not integration" $(PYTEST_ARGS)
+INTEGRATION = $(PYTEST) -n $(INTEGRATION_WORKERS) -m integration $(PYTEST_ARGS)
 test: $(STAMP) system-deps lint
-	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not integration" --durations=15 --randomly-seed=$(TEST_SEED) $(PYTEST_ARGS) || [ $$? -eq 5 ]
-	$(VENV)/bin/pytest -q -n $(INTEGRATION_WORKERS) --dist loadfile -m integration --durations=15 --randomly-seed=$(TEST_SEED) $(PYTEST_ARGS) || [ $$? -eq 5 ]
+	$(UNIT) || [ $$? -eq 5 ]
+	$(INTEGRATION) || [ $$? -eq 5 ]
 
 test-unit: $(STAMP) lint
-	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not integration" --durations=15 --randomly-seed=$(TEST_SEED) $(PYTEST_ARGS)
+	$(UNIT)
 
 demo: $(STAMP) system-deps
 	$(VENV)/bin/robust-metrics demo $(DEMO_ARGS)

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from robust_metrics.hooks.sinks import MultiprocessSink
 from robust_metrics.hooks.store import MetricStore
 from robust_metrics.sidecar import proc_connector
 from robust_metrics.sidecar.collector import ScrapeRegistry, available
+from robust_metrics.sidecar.collectors import process as process_collector
 from robust_metrics.sidecar.collectors.nccl_ras import (
     NcclRasCollector,
     parse_json_report,
@@ -567,16 +569,81 @@ def test_exit_signal_survives_a_parent_that_reaps_at_once(tmp_path: Path, how: s
 def test_process_events_are_parsed_per_process_not_per_thread() -> None:
     """A datagram holds netlink messages of 4-byte aligned length; only a thread-group leader's
     exit is a process exit, and its wait status carries the signal."""
-    def message(what: int, pid: int, tgid: int, status: int) -> bytes:
-        event = struct.pack("=IIQ", what, 0, 0) + struct.pack("=IIII", pid, tgid, status, 17)
+    def message(what: int, pid: int, tgid: int, status: int, stamp: int = 0) -> bytes:
+        event = struct.pack("=IIQ", what, 0, stamp) + struct.pack("=IIII", pid, tgid, status, 17)
         body = struct.pack("=IIIIHH", 1, 1, 0, 0, len(event), 0) + event
         return struct.pack("=IHHII", 16 + len(body), 3, 0, 0, 0) + body
 
-    data = (message(0x80000000, 10, 10, signal.SIGTERM) + message(0x80000000, 11, 10, 0)
-            + message(0x00000001, 12, 12, 0) + message(0x80000000, 13, 13, 1 << 8))
-    assert proc_connector._exits_in(data) == [(10, signal.SIGTERM), (13, 256)]
-    assert [proc_connector.signal_of(s) for _, s in proc_connector._exits_in(data)] == [
+    data = (message(0x80000000, 10, 10, signal.SIGTERM, 5_000)
+            + message(0x80000000, 11, 10, 0) + message(0x00000001, 12, 12, 0)
+            + message(0x80000000, 13, 13, 1 << 8, 7_000))
+    assert proc_connector._exits_in(data) == [(10, signal.SIGTERM, 5_000), (13, 256, 7_000)]
+    assert [proc_connector.signal_of(s) for _, s, _ in proc_connector._exits_in(data)] == [
         signal.SIGTERM, 0]
+
+
+def test_an_exit_read_late_keeps_the_kernels_time() -> None:
+    """The connector's events carry the kernel's time of the exit: read a second later, the
+    exit is still dated when the process died."""
+    _connector_or_skip()
+    events = ProcExits.open()
+    assert events is not None
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        time.sleep(0.2)
+        killed_at = time.time()
+        proc.kill()
+        proc.wait()
+        time.sleep(1.0)
+        ours = [e for e in events.read() if e.tgid == proc.pid]
+        assert len(ours) == 1 and proc_connector.signal_of(ours[0].status) == signal.SIGKILL
+        assert abs(ours[0].at - killed_at) < 0.05, (ours[0].at - killed_at)
+    finally:
+        events.close()
+
+
+def test_the_first_rank_to_die_is_first_even_when_the_sidecar_wakes_late(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0 is killed; rank 1, its peer, writes its own crash time 5 ms later (what a gloo
+    peer does when the connection resets) and exits. A sidecar that wakes 50 ms late to the
+    kill (a loaded node) must still date rank 0's exit first: the kernel's time of the exit,
+    not the time the sidecar's clock read when it woke."""
+    _connector_or_skip()
+    late = 0.05
+    monkeypatch.setattr(process_collector, "time",
+                        types.SimpleNamespace(time=lambda: time.time() + late))
+    (tmp_path / "ranks").mkdir()
+    procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+             for _ in range(2)]
+    folder = RankFolder(str(tmp_path), cache_seconds=0)
+    collector = ProcessCollector(folder)
+    try:
+        started = time.time()
+        for rank, proc in enumerate(procs):
+            identity = {"run": "r", "rank": rank, "pid": proc.pid, "started": started}
+            (tmp_path / "ranks" / f"{proc.pid}.json").write_text(json.dumps(identity))
+        registry = registry_of(process=collector)
+        assert sample(registry, "robust_rank_process_alive", run="r", rank="0") == 1
+        killed_at = time.time()
+        procs[0].kill()
+        procs[0].wait()
+        peer = {"run": "r", "rank": 1, "pid": procs[1].pid, "started": started,
+                "crashed": killed_at + 0.005}
+        (tmp_path / "ranks" / f"{procs[1].pid}.json").write_text(json.dumps(peer))
+        time.sleep(max(0.0, killed_at + 0.02 - time.time()))  # it dies after writing
+        procs[1].kill()
+        procs[1].wait()
+        time.sleep(0.5)
+        exits = [sample(registry, "robust_rank_exit_timestamp_seconds", run="r", rank=str(r),
+                        pid=str(p.pid)) for r, p in enumerate(procs)]
+        assert exits[1] == killed_at + 0.005
+        assert exits[0] is not None and exits[0] < exits[1], (exits[0] - killed_at, exits)
+    finally:
+        collector.exits.close()
+        folder.close()
+        for proc in procs:
+            proc.kill()
+            proc.wait()
 
 
 def test_a_dead_ranks_global_step_outlives_it_and_its_files(tmp_path: Path) -> None:

@@ -5,10 +5,12 @@ launcher tearing down the survivors of a failure) from a crash by the signal tha
 zombie's `/proc/<pid>/stat` holds that signal only until the parent reaps it, and launchers reap
 within a millisecond (torchrun polls its workers at 0.5 ms while it stops them), so reading it
 loses the race now and then. The connector (netlink, `NETLINK_CONNECTOR`, `CN_IDX_PROC`)
-reports every exit with its wait status as it happens, whoever reaps. It needs CAP_NET_ADMIN and
-the host's network namespace (a sidecar run as root by systemd, or a DaemonSet pod with
-`hostNetwork: true` and that capability); where it is refused, `open()` returns None and the
-sidecar reads zombies instead.
+reports every exit with its wait status as it happens, whoever reaps, stamped with the kernel's
+monotonic clock at the exit: the time a rank died, however late the sidecar gets to read it (on
+a loaded node, later than a peer that dies of that death writes its own). It needs
+CAP_NET_ADMIN and the host's network namespace (a sidecar run as root by systemd, or a DaemonSet
+pod with `hostNetwork: true` and that capability); where it is refused, `open()` returns None
+and the sidecar reads zombies instead.
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ import logging
 import os
 import socket
 import struct
+import time
+from typing import NamedTuple
 
-__all__ = ["ProcExits", "signal_of"]
+__all__ = ["ProcExit", "ProcExits", "signal_of"]
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +40,17 @@ _EVENT_HDR = struct.Struct("=IIQ")  # what, cpu, timestamp_ns
 _EXIT_EVENT = struct.Struct("=IIII")  # pid, tgid, exit_code (wait status), exit_signal
 
 
+class ProcExit(NamedTuple):
+    """A process that ended: its pid (thread-group id), wait status, and when, in seconds since
+    the epoch (the kernel's monotonic stamp moved onto the wall clock)."""
+
+    tgid: int
+    status: int
+    at: float
+
+
 class ProcExits:
-    """A subscribed connector socket; `read()` returns (tgid, wait status) of processes that ended."""
+    """A subscribed connector socket; `read()` returns the processes that ended."""
 
     def __init__(self, sock: socket.socket) -> None:
         self._sock = sock
@@ -67,9 +80,9 @@ class ProcExits:
     def fileno(self) -> int:
         return self._sock.fileno()
 
-    def read(self) -> list[tuple[int, int]]:
-        """Every exit queued on the socket: (tgid, wait status) of whole processes."""
-        exits: list[tuple[int, int]] = []
+    def read(self) -> list[ProcExit]:
+        """Every exit of a whole process queued on the socket."""
+        exits: list[ProcExit] = []
         while True:
             try:
                 data = self._sock.recv(65536)
@@ -80,16 +93,19 @@ class ProcExits:
                     log.warning("process events connector overran; some exit signals were lost")
                     continue
                 raise
-            exits.extend(_exits_in(data))
+            wall, mono = time.time(), time.monotonic_ns()
+            exits.extend(ProcExit(tgid, status, min(wall, wall - (mono - stamp) / 1e9))
+                         for tgid, status, stamp in _exits_in(data))
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
             self._sock.close()
 
 
-def _exits_in(data: bytes) -> list[tuple[int, int]]:
-    """(tgid, wait status) of the process exits in one datagram (threads' exits left out)."""
-    exits: list[tuple[int, int]] = []
+def _exits_in(data: bytes) -> list[tuple[int, int, int]]:
+    """(tgid, wait status, monotonic ns) of the process exits in one datagram (threads' exits
+    left out)."""
+    exits: list[tuple[int, int, int]] = []
     offset = 0
     while offset + _NLMSG_HDR.size <= len(data):
         length = _NLMSG_HDR.unpack_from(data, offset)[0]
@@ -97,11 +113,11 @@ def _exits_in(data: bytes) -> list[tuple[int, int]]:
             break
         event = offset + _NLMSG_HDR.size + _CN_MSG.size
         if event + _EVENT_HDR.size + _EXIT_EVENT.size <= offset + length:
-            what = _EVENT_HDR.unpack_from(data, event)[0]
+            what, _, stamp = _EVENT_HDR.unpack_from(data, event)
             if what == _PROC_EVENT_EXIT:
                 pid, tgid, status, _ = _EXIT_EVENT.unpack_from(data, event + _EVENT_HDR.size)
                 if pid == tgid:
-                    exits.append((tgid, status))
+                    exits.append((tgid, status, stamp))
         offset += (length + 3) & ~3
     return exits
 

@@ -20,12 +20,14 @@ STEPS = 16
 
 
 def run_job(tmp_path: Path, world: int, *args: str, steps: int = STEPS,
-            env: dict[str, str] | None = None) -> dict[str, list[tuple[str, dict, float]]]:
-    """Run the job; its samples by rank: (name, labels without run and rank, value)."""
+            env: dict[str, str] | None = None,
+            script: Path = JOB) -> dict[str, list[tuple[str, dict, float]]]:
+    """Run the job (or another training script taking `--steps`) to its end; its samples by
+    rank: (name, labels without run and rank, value)."""
     folder, logs = tmp_path / "metrics", tmp_path / "logs"
     folder.mkdir()
     logs.mkdir()
-    with RankJob(world, ["--steps", str(steps), *args], script=JOB, log_dir=logs,
+    with RankJob(world, ["--steps", str(steps), *args], script=script, log_dir=logs,
                  env={"ROBUST_METRICS_DIR": str(folder), **(env or {})}, run="parallel") as job:
         codes = job.wait(timeout=240)
         assert codes == [0] * world, job.logs()

@@ -10,10 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from prometheus_client import CollectorRegistry
-from prometheus_client.multiprocess import MultiProcessCollector
 
-from robust_metrics.processes import RankJob
 from tests.integration.parallel_jobs import (
     STEPS,
     assert_clean,
@@ -72,16 +69,8 @@ def test_a_compiled_ddp_model_is_timed_and_names_its_slow_rank(tmp_path: Path) -
 
 @pytest.mark.parametrize("example", ["train_fsdp2.py", "train_pipeline.py"])
 def test_the_examples_train_with_the_one_line(tmp_path: Path, example: str) -> None:
-    folder, logs = tmp_path / "metrics", tmp_path / "logs"
-    folder.mkdir()
-    logs.mkdir()
     script = Path(__file__).resolve().parents[2] / "examples" / example
-    with RankJob(2, ["--steps", "6"], script=script, log_dir=logs,
-                 env={"ROBUST_METRICS_DIR": str(folder)}, run="example") as job:
-        assert job.wait(timeout=120) == [0, 0], job.logs()
-    registry = CollectorRegistry()
-    MultiProcessCollector(registry, path=str(folder))
-    names = {(s.name, s.labels.get("rank")): s.value for f in registry.collect() for s in f.samples
-             if not set(s.labels) - {"run", "rank"}}
-    assert names[("robust_steps_total", "0")] == names[("robust_steps_total", "1")] == 6
-    assert not any(name == "robust_hook_errors_total" for name, _ in names)
+    samples = run_job(tmp_path, 2, steps=6, script=script)
+    assert value(samples, 0, "robust_steps_total") == value(samples, 1, "robust_steps_total") == 6
+    assert not [(name, labels) for rank in samples for name, labels, v in samples[rank]
+                if name == "robust_hook_errors_total" and v > 0]

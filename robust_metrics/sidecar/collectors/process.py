@@ -11,10 +11,12 @@ report that it died; the sidecar can. Per rank (the newest process of each `run`
   stopped on request and counts as ended too; any other exit (SIGKILL, OOM kill, segfault, an
   exception) is a crash;
 - when it exited (labelled with its pid): the time the hook wrote when an uncaught exception
-  ended it, else noticed at once through a pidfd (Linux 5.3+) rather than at the next scrape, so
-  that the first rank to die can be told from the peers that die of its death a moment later; the
-  signal that ended it comes from the kernel's process events where the sidecar may subscribe
-  (`proc_connector`), else from the zombie before its parent reaps it;
+  ended it, else the kernel's own time of the exit from its process events where the sidecar
+  may subscribe (`proc_connector`), else noticed at once through a pidfd (Linux 5.3+) rather
+  than at the next scrape, so that the first rank to die can be told from the peers that die of
+  its death a moment later (through a pidfd alone, a loaded node can wake the sidecar later than
+  such a peer writes its own time); the signal that ended it comes from the process events
+  too, else from the zombie before its parent reaps it;
 - the global step it had reached when it exited, the step it started from and when it last
   stepped, from its last files (`RankFolder` keeps them): the proof that a restart which failed
   again before any scrape saw it alive trained, and from where;
@@ -129,7 +131,9 @@ class ExitWatcher:
         os.write(self._wake_w, b"x")  # re-poll with the new fd
 
     def exited(self, pid: int, now: float) -> float:
-        """When `pid` exited: the kernel's report, else `now` (remembered for later scrapes)."""
+        """When `pid` exited: the kernel's report, else `now` (remembered for later scrapes).
+        Queued process events are read first, as in `stopped_on_request`."""
+        self._record_events(from_poll=False)
         with self._lock:
             return self._exited.setdefault(pid, now)
 
@@ -162,13 +166,17 @@ class ExitWatcher:
                 log.warning("exit watcher stopped: %s", exc)
                 return
             now = time.time()
+            # The events first: the kernel queues an exit's event, with its time, before the
+            # exit's pidfd wakes this thread, whose `now` may come later on a loaded node.
+            events_fd = self._events.fileno() if self._events is not None else None
+            if events_fd is not None and events:
+                self._record_events()
             for fd, _ in events:
                 if fd == self._wake_r:
                     with contextlib.suppress(OSError):
                         os.read(self._wake_r, 4096)
                     continue
-                if self._events is not None and fd == self._events.fileno():
-                    self._record_events()
+                if fd == events_fd:
                     continue
                 with self._lock:
                     pid = self._fds.pop(fd, None)
@@ -184,10 +192,10 @@ class ExitWatcher:
             self._events.close()
 
     def _record_events(self, from_poll: bool = True) -> None:
-        """Record the exit signals queued on the connector. The kernel queues a process's exit
-        event before its pidfd or its parent's waitpid can report the exit, so whoever sees a
-        rank gone finds its signal here. Read under the lock, so that a second reader never
-        returns while the first holds an event it has not recorded yet."""
+        """Record the exit signals and times queued on the connector. The kernel queues a
+        process's exit event before its pidfd or its parent's waitpid can report the exit, so
+        whoever sees a rank gone finds its signal and time here. Read under the lock, so that a
+        second reader never returns while the first holds an event it has not recorded yet."""
         with self._lock:
             events = self._events
             if events is None:
@@ -202,9 +210,10 @@ class ExitWatcher:
                     events.close()
                     self._events = None
                 return
-            for tgid, status in exits:
+            for tgid, status, at in exits:
                 if tgid in self._pids or tgid in self._exited:
                     self._signals[tgid] = signal_of(status)
+                    self._exited.setdefault(tgid, at)
 
 
 WRITES_STALE_AFTER = 1.0
