@@ -4,6 +4,10 @@ Four gloo ranks of robust_metrics/workloads/parallel_job.py, `--stack pp_fsdp2`:
 stages under a real GPipe schedule (torch.distributed.pipelining, 4 micro-batches), each stage
 sharded with FSDP2 over 2 data-parallel ranks. The last stage really is heavier: it has twice the
 blocks (each block's compute is a fixed sleep, so the imbalance is the layers', not the CPU's).
+A micro-batch's forward sleeps 30 ms on the first stage, 60 ms on the last: long against the
+scheduling delays of a loaded CPU, which the what-if, op by op, counts as straggling and the
+online means average away (at 10 ms, 3 other busy processes on 2 cores parted them by 8%; at
+30 ms, with 3 to 8, by 2% or less).
 The ranks serve /metrics in-process and record what-if traces through the hook (pipeline sends and
 receives from the collective tracker, backward computes from the schedule's
 `torch.autograd.backward`); Prometheus evaluates the shipped rules time-scaled to 1 s intervals.
@@ -47,7 +51,7 @@ def test_a_heavy_last_stage_is_the_verdict_online_and_in_the_what_if(tmp_path: P
     rule_file.write_text(rules.render(rules.load_groups(time_scale=1 / 15)))
     port = free_port_block(4)
     trace = tmp_path / "trace"
-    args = ["--stack", "pp_fsdp2", "--schedule", "gpipe", "--compute", "0.08",
+    args = ["--stack", "pp_fsdp2", "--schedule", "gpipe", "--compute", "0.24",
             "--heavy-last-stage", "2", "--duration", "600", "--trace-dir", str(trace),
             "--trace-every", "3"]
     with RankJob(4, args, script=JOB, env={"ROBUST_METRICS_PORT": str(port)}, log_dir=tmp_path,
