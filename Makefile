@@ -22,18 +22,19 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 # Two passes: the tests that start no real-time processes on TEST_WORKERS workers (they use
-# the cores), then the integration tests (real Prometheus, ranks, timing) one at a time. They
-# mostly wait on real time, and INTEGRATION_WORKERS=3 runs them in about 10 minutes instead of
-# 22 on 2 cores, but not yet reliably (one run in three failed: docs/architecture.md, open ends).
+# the cores), then the integration tests (real Prometheus, ranks, timing) on
+# INTEGRATION_WORKERS workers: they mostly wait on real time, so more workers than cores
+# shorten the pass (INTEGRATION_WORKERS=0 runs them one at a time). Workers take the longest
+# modules first (tests/module_order.py, tests/module_seconds.json).
 # Exit status 5 is "no test selected" (PYTEST_ARGS may name tests of one kind only).
 # Each run in a new order (pytest-randomly), its seed in the command line make prints:
 # `make test TEST_SEED=N` repeats an order.
 TEST_WORKERS ?= 2
-INTEGRATION_WORKERS ?= 0
+INTEGRATION_WORKERS ?= 4
 ifndef TEST_SEED
 TEST_SEED := $(shell od -An -N4 -tu4 /dev/urandom | tr -d ' ')
 endif
-PYTEST = $(VENV)/bin/pytest -q --dist loadfile --durations=15 --randomly-seed=$(TEST_SEED)
+PYTEST = $(VENV)/bin/pytest -q --dist loadfile --no-loadscope-reorder --durations=15 --randomly-seed=$(TEST_SEED)
 UNIT = $(PYTEST) -n $(TEST_WORKERS) -m "not integration" $(PYTEST_ARGS)
 INTEGRATION = $(PYTEST) -n $(INTEGRATION_WORKERS) -m integration $(PYTEST_ARGS)
 test: $(STAMP) system-deps lint

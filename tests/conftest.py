@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-pytest_plugins = ["tests.process_check"]
+pytest_plugins = ["tests.process_check", "tests.module_order"]
 
 
 def _gpu_available() -> bool:

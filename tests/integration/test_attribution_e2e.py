@@ -26,10 +26,10 @@ from tests.support import RankJob, free_port_block, wait_until
 
 pytestmark = pytest.mark.integration
 JOB = Path(__file__).resolve().parent.parent / "attribution_job.py"
-BASE = ["--dp", "2", "--pp", "2", "--base", "0.03"]
+BASE = ["--dp", "2", "--pp", "2", "--base", "0.1"]
 CASES: dict[str, tuple[list[str], str]] = {  # run -> (job arguments, verdict)
-    "attr-worker": (["--slow-rank", "1", "--slow-extra", "0.05"], "worker"),
-    "attr-stage": (["--stage-extra", "0,0.05"], "stage"),
+    "attr-worker": (["--slow-rank", "1", "--slow-extra", "0.15"], "worker"),
+    "attr-stage": (["--stage-extra", "0,0.15"], "stage"),
     "attr-balanced": ([], "none"),
 }
 WINDOW = 20  # seconds: the rules' 5-minute windows at time scale 1/15

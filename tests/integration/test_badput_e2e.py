@@ -9,9 +9,10 @@ For each job, as of its last step (the hook's own timestamp):
   evaluation interval;
 - hang is the stall beyond the job's own step time (the stalled step took the stall plus one step
   time) within one scrape interval plus one evaluation, and nothing else is hang;
-- the productive share equals ETTR within 2 points plus the breakdown's resolution (each
-  evaluation gives its whole interval to one cause: one evaluation is 2 points of a 50 s job,
-  nothing of a day-long one);
+- the productive share equals the ETTR estimate (unique steps x median step time) within 2 points
+  plus the breakdown's resolution (each evaluation gives its whole interval to one cause: one
+  evaluation is 2 points of a 50 s job, nothing of a day-long one) plus as much as the median
+  step time moved over the run (the estimate's own error where the load on the machine changes);
 and nothing accrues once the sidecar has seen its ranks end normally.
 """
 
@@ -116,14 +117,21 @@ def _check(prom: PrometheusServer, case: Case) -> None:
     assert evaluated is not None and at - evaluated < 3 * EVAL_S, (at, evaluated)
     wall = evaluated - start
     stall = case.stall_s  # no step for the stall and one step time, which is the step's own
+    # The estimate counts every step at the last window's median step time: it is off by as
+    # much as that median moved over the run (a machine whose load changes moves it).
+    medians = [_value(prom, f"{fn}_over_time(run:robust_step_duration_seconds:median_held{sel}"
+                            f"[{wall:.0f}s])", at) for fn in ("min", "max")]
+    assert None not in medians, medians
+    unsteady = (medians[1] - medians[0]) / medians[0]
     report = (f"{case.run}: {', '.join(f'{c} {v:.2f}s' for c, v in sorted(causes.items()))}; "
               f"wall {wall:.2f}s, median step {median:.3f}s, expected hang {stall:.2f}s, "
-              f"ETTR {ettr:.3f}, productive share {productive:.3f}")
+              f"ETTR {ettr:.3f}, productive share {productive:.3f}, median step moved "
+              f"{unsteady:.1%} over the run")
     print(report)
     assert sum(causes.values()) == pytest.approx(wall, abs=EVAL_S), report
     assert causes.get("hang", 0) == pytest.approx(stall, abs=SCRAPE_S + EVAL_S), report
     assert causes.get("restart", 0) == causes.get("recomputed", 0) == 0, report
-    assert productive == pytest.approx(ettr, abs=0.02 + EVAL_S / wall), report
+    assert productive == pytest.approx(ettr, abs=0.02 + EVAL_S / wall + unsteady), report
     # after the end: nothing more accrues (at most the evaluation in flight when the end was
     # seen). Between the last step and the end the ranks tear down, which on a loaded machine
     # takes seconds of real wall time, accounted as such.
