@@ -37,11 +37,12 @@ from robust_metrics.sidecar.collectors.nvml import NvmlCollector
 from robust_metrics.sidecar.collectors.process import (
     WRITES_STALE_AFTER,
     ProcessCollector,
+    exit_time,
     step_age,
 )
 from robust_metrics.sidecar.collectors.ranks import RanksCollector
 from robust_metrics.sidecar.proc_connector import ProcExits
-from robust_metrics.sidecar.rankdir import RankFolder
+from robust_metrics.sidecar.rankdir import RankFolder, RankIdentity
 from tests.sidecar_fakes import FakeGpu, FakeNvml, FakeRasServer
 from tests.support import ROOT, free_port, require_binary, wait_until
 
@@ -684,6 +685,70 @@ def test_a_dead_ranks_global_step_outlives_it_and_its_files(tmp_path: Path) -> N
         assert sample(registry, "robust_rank_exit_global_step", run="r", rank="1") is None
         folder.close()
     finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_rank_that_wrote_until_it_died_is_dated_by_its_last_write() -> None:
+    """The kernel reports a killed rank's exit after its sockets closed, and a peer that sees
+    them close can stamp its exception first: a rank that wrote its files until it died is
+    dated by its last write, which is before its death and so before any peer's exception."""
+    ident = RankIdentity(pid=7, run="r", rank="0", started=100.0, flush_interval=0.25)
+    assert exit_time(seen=150.05, ident=ident, written=149.9) == 149.9
+    peer = RankIdentity(pid=8, run="r", rank="1", started=100.0, flush_interval=0.25,
+                        crashed=150.01)
+    assert exit_time(seen=150.03, ident=peer, written=149.95) == 150.01
+    # a rank whose writes had stopped (stopped, hung in the kernel) exited when it was seen to
+    assert exit_time(seen=150.05, ident=ident, written=140.0) == 150.05
+    # the folder is the job's: a write before the start or after the exit is no time
+    assert exit_time(seen=150.05, ident=ident, written=99.0) == 150.05
+    assert exit_time(seen=150.05, ident=ident, written=151.0) == 150.05
+    assert exit_time(seen=150.05, ident=ident) == 150.05
+
+
+def test_an_exit_time_stays_once_the_dead_ranks_files_are_gone(tmp_path: Path) -> None:
+    """A rank writing every 50 ms is killed: its exit is dated by its last write, and stays so
+    after its files are merged away (a time that moved could move the run's first crash)."""
+    (tmp_path / "ranks").mkdir()
+    script = (
+        "import sys, time\n"
+        "from robust_metrics import schema\n"
+        "from robust_metrics.hooks.sinks import MultiprocessSink\n"
+        "from robust_metrics.hooks.store import MetricStore\n"
+        "store = MetricStore({'run': 'r', 'rank': '0'})\n"
+        "sink = MultiprocessSink(sys.argv[1])\n"
+        "store.series(schema.GLOBAL_STEP).set(1)\n"
+        "sink.flush(store)\n"
+        "print('writing', flush=True)\n"
+        "while True:\n"
+        "    sink.flush(store)\n"
+        "    time.sleep(0.05)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], stdout=subprocess.PIPE,
+                            text=True)
+    folder = RankFolder(str(tmp_path), cache_seconds=0)
+    collector = ProcessCollector(folder)
+    try:
+        (tmp_path / "ranks" / f"{proc.pid}.json").write_text(json.dumps(
+            {"run": "r", "rank": 0, "pid": proc.pid, "started": time.time(),
+             "flush_interval": 0.05}))
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "writing"
+        registry = registry_of(process=collector)
+        assert sample(registry, "robust_rank_process_alive", run="r", rank="0") == 1
+        time.sleep(0.3)
+        killed_at = time.time()
+        proc.kill()
+        proc.wait()
+        time.sleep(1.5)  # a scrape well after the writes went stale
+        exited = sample(registry, "robust_rank_exit_timestamp_seconds", run="r", rank="0",
+                        pid=str(proc.pid))
+        assert exited is not None and killed_at - 0.2 < exited <= killed_at, exited - killed_at
+        for db in tmp_path.glob(f"*_{proc.pid}.db"):
+            db.unlink()
+        assert sample(registry, "robust_rank_exit_timestamp_seconds", run="r", rank="0",
+                      pid=str(proc.pid)) == exited
+    finally:
+        collector.exits.close()
+        folder.close()
         proc.kill()
         proc.wait()
 

@@ -10,13 +10,16 @@ report that it died; the sidecar can. Per rank (the newest process of each `run`
   launcher stopping the survivors of a failure, a scheduler cancelling the job, a restart) was
   stopped on request and counts as ended too; any other exit (SIGKILL, OOM kill, segfault, an
   exception) is a crash;
-- when it exited (labelled with its pid): the time the hook wrote when an uncaught exception
-  ended it, else the kernel's own time of the exit from its process events where the sidecar
-  may subscribe (`proc_connector`), else noticed at once through a pidfd (Linux 5.3+) rather
-  than at the next scrape, so that the first rank to die can be told from the peers that die of
-  its death a moment later (through a pidfd alone, a loaded node can wake the sidecar later than
-  such a peer writes its own time); the signal that ended it comes from the process events
-  too, else from the zombie before its parent reaps it;
+- when it exited (labelled with its pid), so that the first rank to die can be told from the
+  peers that die of its death a moment later: the time the hook wrote when an uncaught
+  exception ended it; else, for a rank that kept writing its files until it died, its last
+  write (at most one write interval before its death, and so before any peer's exception: the
+  kernel reports a killed process's exit only after it has closed its sockets and its peers
+  may have seen them close, and on a loaded node a peer can stamp its exception first);
+  else the kernel's own time of the exit from its process events where the sidecar may
+  subscribe (`proc_connector`), else noticed at once through a pidfd (Linux 5.3+) rather than
+  at the next scrape. The time is fixed when first published. The signal that ended it comes
+  from the process events too, else from the zombie before its parent reaps it;
 - the global step it had reached when it exited, the step it started from and when it last
   stepped, from its last files (`RankFolder` keeps them): the proof that a restart which failed
   again before any scrape saw it alive trained, and from where;
@@ -221,30 +224,52 @@ WRITES_STALE_AFTER = 1.0
 hook that writes less often): its step age then counts on the sidecar's clock."""
 
 
+def _fresh(written: float | None, since: float, now: float,
+           flush_interval: float | None) -> bool:
+    """Whether a write at `written` is within [since, now] (the folder is the job's: other times
+    are ignored) and no staler than the writes' interval allows at `now`."""
+    stale_after = max(WRITES_STALE_AFTER, 3 * (flush_interval or 0.0))
+    return written is not None and since <= written <= now and now - written <= stale_after
+
+
 def step_age(now: float, since: float, written: float | None,
              flush_interval: float | None = None) -> float:
     """Seconds since `since` (the last step): as of the last write `written` while the files are
-    fresh, else as of `now`. A write time outside [since, now] (the folder is the job's) is
-    ignored."""
-    stale_after = max(WRITES_STALE_AFTER, 3 * (flush_interval or 0.0))
-    if written is not None and since <= written <= now and now - written <= stale_after:
+    fresh, else as of `now`."""
+    if _fresh(written, since, now, flush_interval):
+        assert written is not None
         return written - since
     return max(0.0, now - since)
 
 
-def exit_time(seen: float, ident: RankIdentity) -> float:
-    """When the rank exited: the time it wrote that an exception ended it (`parse_identity` keeps
-    only a time after its start), when that is no later than the exit the sidecar saw (`seen`),
-    else `seen`. The rank's own time orders a crash before the exits of the peers that die of it
-    even when the sidecar noticed them all in one scrape."""
+def exit_time(seen: float, ident: RankIdentity, written: float | None = None) -> float:
+    """When the rank exited, given the exit the sidecar saw (`seen`) and the rank's last write of
+    its files (`written`): the time it wrote that an exception ended it (`parse_identity` keeps
+    only a time after its start) when no later than `seen`; else its last write when it kept
+    writing until `seen`; else `seen`. The rank's own times order a crash before the exits of
+    the peers that die of it, however late the sidecar saw it."""
     crashed = ident.crashed
-    return crashed if crashed is not None and crashed <= seen else seen
+    if crashed is not None and crashed <= seen:
+        return crashed
+    if _fresh(written, ident.started or 0.0, seen, ident.flush_interval):
+        assert written is not None
+        return written
+    return seen
 
 
 class ProcessCollector:
     def __init__(self, folder: RankFolder, exits: ExitWatcher | None = None) -> None:
         self.folder = folder
         self.exits = exits if exits is not None else ExitWatcher()
+        self._exit_times: dict[int, float] = {}  # pid -> as first published
+
+    def _exit_time(self, ident: RankIdentity, written: float | None, now: float) -> float:
+        """The exit time as first published: the rank's files, whose last write may date it,
+        are merged away later."""
+        if ident.pid not in self._exit_times:
+            seen = self.exits.exited(ident.pid, now)
+            self._exit_times[ident.pid] = exit_time(seen, ident, written)
+        return self._exit_times[ident.pid]
 
     def collect(self) -> Iterator[Metric]:
         s = schema
@@ -264,6 +289,8 @@ class ProcessCollector:
         rss_f, age_f = gauge(s.RANK_PROCESS_RSS), gauge(s.RANK_STEP_AGE)
         now = time.time()
         self.exits.forget(set(snapshot.identities))
+        for pid in set(self._exit_times) - set(snapshot.identities):
+            del self._exit_times[pid]
         for (run, rank), ident in sorted(newest_per_rank(snapshot.identities).items()):
             labels = [run, rank]
             alive = snapshot.alive.get(ident.pid, False)
@@ -284,7 +311,7 @@ class ProcessCollector:
                 finished_f.add_metric(labels, 1.0)  # present only when true: no healthy series
             if not alive:
                 exit_f.add_metric([*labels, str(ident.pid)],
-                                  exit_time(self.exits.exited(ident.pid, now), ident))
+                                  self._exit_time(ident, snapshot.written.get(ident.pid), now))
                 final = snapshot.final.get(ident.pid)
                 if final is not None:
                     exit_step_f.add_metric(labels, final.step)
