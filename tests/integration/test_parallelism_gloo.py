@@ -62,9 +62,9 @@ def test_a_compiled_ddp_model_is_timed_and_names_its_slow_rank(tmp_path: Path) -
     """DDP around a torch.compile'd model (its simulated compute is compiled with it: the rank
     is slowed in the optimizer, outside the graph)."""
     samples = run_job(tmp_path, 2, "--stack", "ddp", "--compile", "--slow-rank", "1",
-                      "--slow-where", "optimizer", "--compute", "0.25")
+                      "--slow-where", "optimizer", "--slow-factor", "1.3", "--compute", "0.25")
     assert_clean(samples, 2, {"default_pg"})
-    assert_named(samples, 2, 1)
+    assert_named(samples, 2, 1, extra=0.3 * 0.25)
 
 
 @pytest.mark.parametrize("example", ["train_fsdp2.py", "train_pipeline.py"])
