@@ -23,14 +23,14 @@ lint: $(STAMP)
 
 # Two passes: the tests that start no real-time processes on TEST_WORKERS workers (they use
 # the cores), then the integration tests (real Prometheus, ranks, timing) on
-# INTEGRATION_WORKERS workers: they mostly wait on real time, so more workers than cores
-# shorten the pass (INTEGRATION_WORKERS=0 runs them one at a time). Workers take the longest
+# INTEGRATION_WORKERS workers, whose waits on real time overlap: on 2 cores 3 keep both busy,
+# 4 take as long (INTEGRATION_WORKERS=0 runs them one at a time). Workers take the longest
 # modules first (tests/module_order.py, tests/module_seconds.json).
 # Exit status 5 is "no test selected" (PYTEST_ARGS may name tests of one kind only).
 # Each run in a new order (pytest-randomly), its seed in the command line make prints:
 # `make test TEST_SEED=N` repeats an order.
 TEST_WORKERS ?= 2
-INTEGRATION_WORKERS ?= 4
+INTEGRATION_WORKERS ?= 3
 ifndef TEST_SEED
 TEST_SEED := $(shell od -An -N4 -tu4 /dev/urandom | tr -d ' ')
 endif

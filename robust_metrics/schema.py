@@ -336,8 +336,9 @@ RANK_EXIT_TIMESTAMP = _declare(
     "Unix time at which the rank's process exited (only for exited processes): when the rank "
     "wrote that an exception ended it, else its last write of its files when it wrote until it "
     "died (at most one write interval early), else when the kernel or the sidecar saw the exit; "
-    "the earliest exit of a run names the rank that failed first. `pid` tells one process's exit from the next one's of "
-    "the same rank (a restart that fails again before any scrape saw it alive).",
+    "the earliest exit of a run names the rank that failed first. `pid` tells one process's "
+    "exit from the next one's of the same rank (a restart that fails again before any scrape "
+    "saw it alive).",
     labels=(*RANK_LABELS, "pid"), source=SIDECAR, unit="seconds", on_event=True,
 )
 RANK_EXIT_GLOBAL_STEP = _declare(
