@@ -14,6 +14,7 @@ from robust_metrics import schema
 from robust_metrics.hooks.sinks import MultiprocessSink
 from robust_metrics.hooks.store import MetricStore
 from robust_metrics.rankfolder.metricfile import CorruptFile, parse_name, read_entries
+from robust_metrics.sidecar.collector import ScrapeRegistry
 from robust_metrics.sidecar.rankdir import RankFolder
 
 
@@ -133,6 +134,29 @@ def test_one_scrape_sees_one_state_of_a_restarting_rank(tmp_path: Path, live: se
     assert after is not pinned
     assert after.alive == {300: False, 301: True}
     folder.close()
+
+
+def test_collectors_on_the_scrape_threads_read_the_scrapes_state(
+        tmp_path: Path, live: set[int]) -> None:
+    """The sidecar runs a scrape's collectors concurrently on a thread pool: each must read the
+    state its scrape pinned, not a snapshot of its own (which showed a restarted rank's new
+    steps beside its predecessor's liveness, 0, in one scrape on a loaded machine)."""
+    folder = make_folder(tmp_path, live)  # no cache: every snapshot() reads anew
+    read: list[object] = []
+
+    class Reader:
+        def collect(self) -> list[object]:
+            read.append(folder.snapshot())
+            return []
+
+    registry = ScrapeRegistry({"process": Reader(), "ranks": Reader()})
+    try:
+        with folder.one_scrape() as pinned:
+            list(registry.collect())
+        assert len(read) == 2 and all(snapshot is pinned for snapshot in read)
+    finally:
+        registry.close()
+        folder.close()
 
 
 def test_a_rank_that_starts_during_a_read_is_seen_whole_or_not_at_all(

@@ -10,6 +10,7 @@ collector that raises loses its own series for that scrape, never the scrape.
 from __future__ import annotations
 
 import argparse
+import contextvars
 import logging
 import threading
 import time
@@ -129,8 +130,9 @@ class ScrapeRegistry:
         with self._lock:
             running = self._inflight.get(name)
             if running is None or running[1].done():
-                running = (time.perf_counter(),
-                           self._pool.submit(self._run, self.collectors[name]))
+                running = (time.perf_counter(),  # in the scrape's context: its pinned state
+                           self._pool.submit(contextvars.copy_context().run, self._run,
+                                             self.collectors[name]))
                 self._inflight[name] = running
             return running
 

@@ -33,6 +33,7 @@ Only one sidecar owns the archive (an flock); a second one on the same folder se
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import fcntl
 import json
 import logging
@@ -334,7 +335,10 @@ class RankFolder:
         self.cache_seconds = cache_seconds
         self._alive = alive
         self._lock = threading.Lock()
-        self._scrape = threading.local()
+        # The scrape's pinned snapshot: a context variable, which the scrape's collector threads
+        # inherit (ScrapeRegistry runs each collector in its scrape's context).
+        self._pinned: contextvars.ContextVar[Snapshot | None] = contextvars.ContextVar(
+            f"robust_metrics_snapshot_{id(self)}", default=None)
         self._snapshot: Snapshot | None = None
         self._snapshot_at = 0.0
         self._archive = _Archive(directory)
@@ -358,7 +362,7 @@ class RankFolder:
     def snapshot(self) -> Snapshot:
         """The folder's state, at most `cache_seconds` old; concurrent scrapes share one read.
         Inside `one_scrape()` the same snapshot every time, however old."""
-        pinned: Snapshot | None = getattr(self._scrape, "snapshot", None)
+        pinned = self._pinned.get()
         if pinned is not None:
             return pinned
         with self._lock:
@@ -370,16 +374,17 @@ class RankFolder:
 
     @contextlib.contextmanager
     def one_scrape(self) -> Iterator[Snapshot]:
-        """Pin one snapshot for every `snapshot()` of this thread until the block ends. The
+        """Pin one snapshot for every `snapshot()` of this context (this thread, and the threads
+        that run the scrape's collectors in it) until the block ends. The
         collectors of one scrape each ask for the folder's state; without the pin, the cache
         could expire between two of them, and a scrape would show a restarted rank's new steps
         beside its dead predecessor's liveness."""
-        outer: Snapshot | None = getattr(self._scrape, "snapshot", None)
-        self._scrape.snapshot = outer or self.snapshot()
+        pinned = self._pinned.get() or self.snapshot()
+        token = self._pinned.set(pinned)
         try:
-            yield self._scrape.snapshot
+            yield pinned
         finally:
-            self._scrape.snapshot = outer
+            self._pinned.reset(token)
 
     # -- reading ---------------------------------------------------------------------------
     def _read(self) -> Snapshot:
