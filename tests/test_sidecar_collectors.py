@@ -709,43 +709,27 @@ def test_a_rank_that_wrote_until_it_died_is_dated_by_its_last_write() -> None:
 def test_an_exit_time_stays_once_the_dead_ranks_files_are_gone(tmp_path: Path) -> None:
     """A rank writing every 50 ms is killed: its exit is dated by its last write, and stays so
     after its files are merged away (a time that moved could move the run's first crash)."""
-    (tmp_path / "ranks").mkdir()
-    script = (
-        "import sys, time\n"
-        "from robust_metrics import schema\n"
-        "from robust_metrics.hooks.sinks import MultiprocessSink\n"
-        "from robust_metrics.hooks.store import MetricStore\n"
-        "store = MetricStore({'run': 'r', 'rank': '0'})\n"
-        "sink = MultiprocessSink(sys.argv[1])\n"
-        "store.series(schema.GLOBAL_STEP).set(1)\n"
-        "sink.flush(store)\n"
-        "print('writing', flush=True)\n"
-        "while True:\n"
-        "    sink.flush(store)\n"
-        "    time.sleep(0.05)\n")
-    proc = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], stdout=subprocess.PIPE,
-                            text=True)
+    writer = ROOT / "tests" / "fixtures" / "sidecar" / "rank_writer.py"
+    proc = subprocess.Popen([sys.executable, str(writer), "--dir", str(tmp_path), "--forever",
+                             "--interval", "0.05"], stdout=subprocess.PIPE, text=True)
     folder = RankFolder(str(tmp_path), cache_seconds=0)
     collector = ProcessCollector(folder)
     try:
-        (tmp_path / "ranks" / f"{proc.pid}.json").write_text(json.dumps(
-            {"run": "r", "rank": 0, "pid": proc.pid, "started": time.time(),
-             "flush_interval": 0.05}))
-        assert proc.stdout is not None and proc.stdout.readline().strip() == "writing"
+        assert proc.stdout is not None and proc.stdout.readline().startswith("ready")
         registry = registry_of(process=collector)
-        assert sample(registry, "robust_rank_process_alive", run="r", rank="0") == 1
+        assert sample(registry, "robust_rank_process_alive", run="writer-run", rank="0") == 1
         time.sleep(0.3)
         killed_at = time.time()
         proc.kill()
         proc.wait()
         time.sleep(1.5)  # a scrape well after the writes went stale
-        exited = sample(registry, "robust_rank_exit_timestamp_seconds", run="r", rank="0",
-                        pid=str(proc.pid))
+        exited = sample(registry, "robust_rank_exit_timestamp_seconds", run="writer-run",
+                        rank="0", pid=str(proc.pid))
         assert exited is not None and killed_at - 0.2 < exited <= killed_at, exited - killed_at
         for db in tmp_path.glob(f"*_{proc.pid}.db"):
             db.unlink()
-        assert sample(registry, "robust_rank_exit_timestamp_seconds", run="r", rank="0",
-                      pid=str(proc.pid)) == exited
+        assert sample(registry, "robust_rank_exit_timestamp_seconds", run="writer-run",
+                      rank="0", pid=str(proc.pid)) == exited
     finally:
         collector.exits.close()
         folder.close()
