@@ -114,7 +114,9 @@ def test_a_selftest_that_cannot_run_is_a_503_with_its_message(tmp_path: Path) ->
 def test_a_selftest_past_its_time_is_killed_and_the_next_waits_for_none(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ROBUST_SELFTEST_FAULT", "compute:slow=30")
-    with _client(tmp_path, selftest_timeout=3.0) as c:
+    # The timeout leaves room for the check's own start (`import torch`, over 3 s on a loaded
+    # 2-core machine) so that the last request can only fail if the killed one still held the slot.
+    with _client(tmp_path, selftest_timeout=8.0, selftest_args=["--memory-bytes=65536"]) as c:
         answers: list[int] = []
         first = threading.Thread(target=lambda: answers.append(c.post(
             "/control/selftest", json={"checks": ["compute"]}, headers=AUTH).status_code))
