@@ -54,7 +54,10 @@ def test_slow_rank_names_the_straggler(stack: dict[str, Any], kind: str) -> None
         assert fired["labels"]["rank"] == str(slow), fired
         assert fired["labels"]["node"] == "node-a"
         time.sleep(2)
-        assert names(prom, run, "SlowRank") == {str(slow)}, alerts(prom, run)
+        # No other rank is named since. (The slowed rank's own alert may have ended: when CPU
+        # contention pushes another rank over the ratio in the same 2 minutes, the run's
+        # slowness is spread, which names no rank.)
+        assert names(prom, run, "SlowRank") <= {str(slow)}, alerts(prom, run)
         assert names(prom, run, "RankHang") == set(), alerts(prom, run)
         job.kill()
 
