@@ -361,9 +361,11 @@ RANK_EXIT_LAST_STEP_TIMESTAMP = _declare(
 )
 RANK_STEP_AGE = _declare(
     "robust_rank_step_age_seconds", G,
-    "Seconds since the rank last completed a step, as of the rank's last write of its files while "
-    "it writes them, then on the sidecar's clock, so a rank stuck in a collective or stopped "
-    "shows its age growing.", source=SIDECAR, unit="seconds",
+    "Seconds since the rank last completed a step (or returned to training), so a rank stuck in "
+    "a collective or stopped shows its age growing: from the sidecar as of the rank's last write "
+    "of its files while it writes them, then on the sidecar's clock (counting from watch() "
+    "before the first step); from a rank scraped in-process (http, otel), on the rank's clock "
+    "at the scrape, once it has stepped.", source=SIDECAR, unit="seconds",
 )
 RANK_GPU_INFO = _declare(
     "robust_rank_gpu_info", G, "Always 1; which GPU a rank's process uses.",

@@ -11,6 +11,7 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.multiprocess import MultiProcessCollector
 
 import robust_metrics
+from robust_metrics.hooks import sinks
 from robust_metrics.hooks.watch import Watch
 from robust_metrics.rankfolder.control import write_checkpoint_request
 from tests.support import free_port, require_binary
@@ -280,6 +282,38 @@ def test_in_process_endpoint_passes_promtool(watched: tuple) -> None:  # type: i
                            timeout=30)
     assert check.returncode == 0, check.stdout + check.stderr
     assert check.stdout.strip() == b"" and check.stderr.strip() == b""
+
+
+def _scrape(port: int) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines() if line and not line.startswith("#")}
+
+
+def test_the_endpoint_serves_the_step_age_on_the_ranks_clock_once_it_has_stepped(
+        watched: tuple, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[type-arg]
+    """The rules read a rank's step age from one series whether the sidecar or the rank serves
+    it: in-process it is the scrape's time minus the last step, so a rank that steps faster than
+    it is scraped never reads as hung, and one stuck in a step shows its age growing."""
+    age = 'robust_rank_step_age_seconds{rank="0",run="unit"}'
+    port = free_port()
+    handle = start(watched, backend="http", port=port)
+    assert age not in _scrape(port)  # no step yet: the sidecar alone counts from watch()
+    train(watched[0], watched[1], 1)
+    last = value(handle, "robust_last_step_timestamp_seconds")
+    monkeypatch.setattr(sinks, "time", SimpleNamespace(time=lambda: last + 42.5))
+    assert _scrape(port)[age] == 42.5
+
+
+def test_the_multiprocess_files_never_hold_a_step_age(
+        watched: tuple, tmp_path: Path) -> None:  # type: ignore[type-arg]
+    """The sidecar computes the age from the files; an age written to them would be stale."""
+    start(watched, backend="multiprocess", metrics_dir=str(tmp_path), flush_interval=0)
+    train(watched[0], watched[1], 2)
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, path=str(tmp_path))
+    names = {s.name for family in registry.collect() for s in family.samples}
+    assert "robust_steps_total" in names and "robust_rank_step_age_seconds" not in names
 
 
 def test_a_taken_port_never_stops_training(watched: tuple) -> None:  # type: ignore[type-arg]

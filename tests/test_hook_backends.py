@@ -39,6 +39,8 @@ def test_otel_backend_exports_the_same_names() -> None:
     assert dict(steps[0].attributes) == {"run": "otel", "rank": "0"}
     assert "robust_step_duration_seconds_count" in points
     assert "robust_loss" in points
+    [age] = points["robust_rank_step_age_seconds"]
+    assert dict(age.attributes) == {"run": "otel", "rank": "0"} and 0 <= age.value < 5
 
 
 class FakeNcclGroup(SimpleNamespace):

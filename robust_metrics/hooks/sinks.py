@@ -5,6 +5,10 @@
   written values on disk, so the sidecar still serves them.
 - `http` serves `/metrics` from this process (no sidecar: a laptop, one pod per rank).
 - `otel` exports the same names through the OpenTelemetry SDK's global meter provider.
+
+The sinks read at scrape time (`http`, `otel`) also publish the rank's step age, which the
+sidecar computes from the files for the `multiprocess` sink: rules read one series for it however
+the rank is scraped.
 - `null` publishes nothing (tests, benchmarks).
 """
 
@@ -12,14 +16,19 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from typing import Protocol
 
-from robust_metrics.hooks.store import MetricStore, Series
+from prometheus_client.metrics_core import Metric
+
+from robust_metrics import schema
+from robust_metrics.hooks.store import MetricStore, Sample, Series, families
 from robust_metrics.rankfolder.metricfile import MetricFile, file_name, metric_key
 from robust_metrics.schema import MetricType
 
-__all__ = ["HttpSink", "MultiprocessSink", "NullSink", "OtelSink", "Sink", "make_sink"]
+__all__ = ["HttpSink", "MultiprocessSink", "NullSink", "OtelSink", "Sink", "make_sink",
+           "step_age"]
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +47,30 @@ class NullSink:
 
     def close(self, store: MetricStore) -> None:
         pass
+
+
+def step_age(store: MetricStore, now: float | None = None) -> Sample | None:
+    """Seconds since the rank's last step (or its return to training) as of `now`, on the rank's
+    own clock, once it has stepped: what the sidecar publishes from the files (there as of the
+    rank's last write), for a rank scraped in-process. Computed when read, so never written to
+    the files, where it would be stale."""
+    last = store.series(schema.LAST_STEP_TIMESTAMP).value
+    if last <= 0:
+        return None
+    age = max(0.0, (time.time() if now is None else now) - last)
+    spec = schema.RANK_STEP_AGE
+    return Sample(Series(spec, store.labels_of(spec), value=age), spec.name, age)
+
+
+class _ScrapedStore:
+    """The store as a scrape of this process reads it: its series and the rank's step age."""
+
+    def __init__(self, store: MetricStore) -> None:
+        self.store = store
+
+    def collect(self) -> Iterator[Metric]:
+        age = step_age(self.store)
+        return families([*self.store.samples(), *([age] if age else [])])
 
 
 def _file_prefix(spec_type: MetricType, gauge_mode: str) -> str:
@@ -122,7 +155,7 @@ class HttpSink:
         from prometheus_client import CollectorRegistry, start_http_server
 
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(store)  # type: ignore[arg-type]
+        self.registry.register(_ScrapedStore(store))  # type: ignore[arg-type]
         self.port = port
         self._server, self._thread = start_http_server(port, addr=addr, registry=self.registry)
 
@@ -144,8 +177,6 @@ class OtelSink:
         meter = metrics.get_meter("robust_metrics")
         self._instruments = []
         specs = {s.spec.name: s.spec for s in store.all_series()}
-        from robust_metrics import schema
-
         for spec in schema.all_metrics(schema.Source.RANK):
             specs.setdefault(spec.name, spec)
 
@@ -158,6 +189,11 @@ class OtelSink:
                 ]
             return callback
 
+        def age_callback(options: CallbackOptions) -> list[Observation]:
+            age = step_age(store)
+            return [] if age is None else [Observation(age.value, dict(zip(
+                age.series.spec.labels, age.series.labels, strict=True)))]
+
         for spec in specs.values():
             names = [spec.name] if spec.type is not MetricType.SUMMARY else [
                 f"{spec.name}_count", f"{spec.name}_sum"]
@@ -167,6 +203,8 @@ class OtelSink:
                 else:
                     make = meter.create_observable_counter
                 self._instruments.append(make(name, [callback_for(name)], description=spec.help))
+        self._instruments.append(meter.create_observable_gauge(
+            schema.RANK_STEP_AGE.name, [age_callback], description=schema.RANK_STEP_AGE.help))
 
     def flush(self, store: MetricStore) -> None:
         pass

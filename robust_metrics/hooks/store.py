@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from prometheus_client.metrics_core import Metric
 
 from robust_metrics.schema import MetricSpec, MetricType
 
-__all__ = ["MetricStore", "Sample", "Series"]
+__all__ = ["MetricStore", "Sample", "Series", "families"]
 
 
 @dataclass(eq=False)
@@ -95,13 +95,22 @@ class MetricStore:
 
     def collect(self) -> Iterator[Metric]:
         """prometheus_client Collector protocol, for the in-process `/metrics` server."""
-        families: dict[str, Metric] = {}
-        for sample in self.samples():
-            spec = sample.series.spec
-            family = families.get(spec.name)
-            if family is None:
-                family = Metric(spec.base_name, spec.help, str(spec.type))
-                families[spec.name] = family
-            family.add_sample(sample.name, dict(zip(spec.labels, sample.series.labels, strict=True)),
-                              sample.value)
-        yield from families.values()
+        return families(self.samples())
+
+    def labels_of(self, spec: MetricSpec) -> tuple[str, ...]:
+        """The label values of `spec`'s series of this rank (its base labels, "" for others)."""
+        return tuple(self.base_labels.get(name, "") for name in spec.labels)
+
+
+def families(samples: Iterable[Sample]) -> Iterator[Metric]:
+    """Samples grouped into prometheus_client metric families, in order of first appearance."""
+    found: dict[str, Metric] = {}
+    for sample in samples:
+        spec = sample.series.spec
+        family = found.get(spec.name)
+        if family is None:
+            family = Metric(spec.base_name, spec.help, str(spec.type))
+            found[spec.name] = family
+        family.add_sample(sample.name, dict(zip(spec.labels, sample.series.labels, strict=True)),
+                          sample.value)
+    yield from found.values()

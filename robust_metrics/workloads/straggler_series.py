@@ -154,7 +154,7 @@ def _values(numbers: list[float], digits: int) -> str:
 
 def promtool_series(scenario: Scenario, run: str) -> list[dict[str, str]]:
     """promtool `input_series` of the run: the compute and step-duration summaries, the sum of
-    squared compute, the last step's timestamp and the phase of every rank, and its node
+    squared compute, the last step's timestamp, the step age, the phase of every rank, and its node
     (`n<rank>` on `robust_rank_info`)."""
     return scrape_series(scrapes(scenario), run, pause_phase=scenario.pause_phase)
 
@@ -179,6 +179,10 @@ def scrape_series(table: list[list[Scrape]], run: str, *, pause_phase: str = "ch
             ("robust_last_step_timestamp_seconds", [s.last_step for s in rows], 3),
         ):
             out.append({"series": f"{name}{{{labels}}}", "values": _values(numbers, digits)})
+        # the step age as the rank's in-process exporter serves it: at the scrape, once stepped
+        ages = [_number(s.t - s.last_step, 3) if s.last_step > 0 else "_" for s in rows]
+        out.append({"series": f"robust_rank_step_age_seconds{{{labels}}}",
+                    "values": " ".join(ages)})
         for phase, on in (("train", False), (pause_phase, True)):
             flags = [float(s.paused == on) for s in rows]
             out.append({"series": f'robust_phase{{{labels},phase="{phase}"}}',
