@@ -225,21 +225,21 @@ hook that writes less often): its step age then counts on the sidecar's clock.""
 
 
 def _fresh(written: float | None, since: float, now: float,
-           flush_interval: float | None) -> bool:
-    """Whether a write at `written` is within [since, now] (the folder is the job's: other times
-    are ignored) and no staler than the writes' interval allows at `now`."""
+           flush_interval: float | None) -> float | None:
+    """`written` when that write is within [since, now] (the folder is the job's: other times
+    are ignored) and no staler than the writes' interval allows at `now`; else None."""
     stale_after = max(WRITES_STALE_AFTER, 3 * (flush_interval or 0.0))
-    return written is not None and since <= written <= now and now - written <= stale_after
+    if written is not None and since <= written <= now and now - written <= stale_after:
+        return written
+    return None
 
 
 def step_age(now: float, since: float, written: float | None,
              flush_interval: float | None = None) -> float:
     """Seconds since `since` (the last step): as of the last write `written` while the files are
     fresh, else as of `now`."""
-    if _fresh(written, since, now, flush_interval):
-        assert written is not None
-        return written - since
-    return max(0.0, now - since)
+    fresh = _fresh(written, since, now, flush_interval)
+    return fresh - since if fresh is not None else max(0.0, now - since)
 
 
 def exit_time(seen: float, ident: RankIdentity, written: float | None = None) -> float:
@@ -251,10 +251,8 @@ def exit_time(seen: float, ident: RankIdentity, written: float | None = None) ->
     crashed = ident.crashed
     if crashed is not None and crashed <= seen:
         return crashed
-    if _fresh(written, ident.started or 0.0, seen, ident.flush_interval):
-        assert written is not None
-        return written
-    return seen
+    fresh = _fresh(written, ident.started or 0.0, seen, ident.flush_interval)
+    return fresh if fresh is not None else seen
 
 
 class ProcessCollector:
