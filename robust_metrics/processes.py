@@ -236,12 +236,18 @@ def kill_leftovers() -> None:
     with _STARTED_LOCK:
         started = list(_STARTED)
     for proc in started:
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=10)
-        _kill_group_and_wait(proc, 10.0)
+        _kill_group_now(proc)
+
+
+def _kill_group_now(proc: subprocess.Popen[Any], timeout: float = 10.0) -> None:
+    """SIGKILL the group of a started process that still runs, reap it, and wait until no
+    member of its group is alive."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=timeout)
+    _kill_group_and_wait(proc, timeout)
 
 
 def _tracked(proc: subprocess.Popen[Any]) -> bool:
@@ -714,12 +720,7 @@ class RankJob:
                         os.kill(p.pid, signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 launcher.wait(timeout=10)
-        if launcher.poll() is None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(launcher.pid, signal.SIGKILL)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                launcher.wait(timeout=10)
-        _kill_group_and_wait(launcher, 10.0)
+        _kill_group_now(launcher)
         for p in self.procs:
             if isinstance(p, ForkedRank):
                 p.settle()

@@ -5,11 +5,11 @@
   written values on disk, so the sidecar still serves them.
 - `http` serves `/metrics` from this process (no sidecar: a laptop, one pod per rank).
 - `otel` exports the same names through the OpenTelemetry SDK's global meter provider.
+- `null` publishes nothing (tests, benchmarks).
 
 The sinks read at scrape time (`http`, `otel`) also publish the rank's step age, which the
 sidecar computes from the files for the `multiprocess` sink: rules read one series for it however
 the rank is scraped.
-- `null` publishes nothing (tests, benchmarks).
 """
 
 from __future__ import annotations
@@ -183,16 +183,14 @@ class OtelSink:
         def callback_for(name: str):
             def callback(options: CallbackOptions) -> list[Observation]:
                 return [
-                    Observation(s.value, dict(zip(s.series.spec.labels, s.series.labels,
-                                                  strict=True)))
+                    Observation(s.value, s.series.label_map())
                     for s in store.samples() if s.name == name
                 ]
             return callback
 
         def age_callback(options: CallbackOptions) -> list[Observation]:
             age = step_age(store)
-            return [] if age is None else [Observation(age.value, dict(zip(
-                age.series.spec.labels, age.series.labels, strict=True)))]
+            return [] if age is None else [Observation(age.value, age.series.label_map())]
 
         for spec in specs.values():
             names = [spec.name] if spec.type is not MetricType.SUMMARY else [

@@ -30,6 +30,10 @@ class Series:
     sum: float = 0.0
     updated: float = field(default_factory=time.time)
 
+    def label_map(self) -> dict[str, str]:
+        """Label names to values."""
+        return dict(zip(self.spec.labels, self.labels, strict=True))
+
     def inc(self, amount: float = 1.0) -> None:
         self.value += amount
 
@@ -111,6 +115,5 @@ def families(samples: Iterable[Sample]) -> Iterator[Metric]:
         if family is None:
             family = Metric(spec.base_name, spec.help, str(spec.type))
             found[spec.name] = family
-        family.add_sample(sample.name, dict(zip(spec.labels, sample.series.labels, strict=True)),
-                          sample.value)
+        family.add_sample(sample.name, sample.series.label_map(), sample.value)
     yield from found.values()
