@@ -140,9 +140,13 @@ def _bindable(ports: range) -> bool:
 
 
 def wait_for(predicate: Callable[[], T], timeout: float, interval: float = 0.1,
-             message: str = "condition") -> T:
+             message: str | Callable[[], str] = "condition") -> T:
     """Poll `predicate` until it returns a truthy value (exceptions count as not yet); its
-    value, or TimeoutError naming `message` and the last exception after `timeout` seconds."""
+    value, or TimeoutError naming `message` and the last exception after `timeout` seconds.
+
+    A callable `message` is called at the timeout, so a log it quotes is the log at the
+    failure, not at the start of the wait.
+    """
     deadline = time.monotonic() + timeout
     last_exc: Exception | None = None
     while time.monotonic() < deadline:
@@ -153,7 +157,8 @@ def wait_for(predicate: Callable[[], T], timeout: float, interval: float = 0.1,
         except Exception as exc:  # the thing polled may not be up yet
             last_exc = exc
         time.sleep(interval)
-    raise TimeoutError(f"timed out after {timeout}s waiting for {message}; last error: {last_exc}")
+    what = message() if callable(message) else message
+    raise TimeoutError(f"timed out after {timeout}s waiting for {what}; last error: {last_exc}")
 
 
 # ---------------------------------------------------------------------- processes

@@ -35,7 +35,7 @@ __all__ = ["EXAMPLE", "ROOT", "RankJob", "SidecarProcess", "free_port", "free_po
 
 
 def wait_until(predicate: Callable[[], T], timeout: float, interval: float = 0.1,
-               message: str = "condition") -> T:
+               message: str | Callable[[], str] = "condition") -> T:
     """Poll `predicate` until it returns a truthy value; fail the test after `timeout` seconds."""
     try:
         return wait_for(predicate, timeout, interval, message)

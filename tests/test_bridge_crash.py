@@ -94,7 +94,7 @@ def test_local_restart_interrupted_by_kill9_is_finished_once(tmp_path: Path) -> 
         assert running_steps(tmp_path / "bridge.db") == [("restart", "running")]
         bridge.start()
         rows = wait_until(lambda: (r := bridge.actions(run="job-a")) and r[0]["status"] in (
-            "done", "failed") and r, 30, message=f"the resumed restart\n{bridge.log()}")
+            "done", "failed") and r, 30, message=lambda: f"the resumed restart\n{bridge.log()}")
         assert rows[0]["status"] == "done", rows
         wait_until(lambda: len(lines(events, "start")) == 2, 10, message="the new job")
         send(bridge, webhook(alert("RankHang", fingerprint="k1", run="job-a", action="restart")))
@@ -154,7 +154,7 @@ def test_checkpoint_wait_resumes_after_kill9_without_asking_again(tmp_path: Path
             bridge.start()
             side.acknowledge(side.next_id)  # the ranks finish the checkpoint meanwhile
             rows = wait_until(lambda: (r := bridge.actions(run="job-c")) and r[0]["status"] in (
-                "done", "failed") and r, 30, message=f"the resumed wait\n{bridge.log()}")
+                "done", "failed") and r, 30, message=lambda: f"the resumed wait\n{bridge.log()}")
             assert rows[0]["status"] == "done", rows
             assert len(side.checkpoint_requests) == 1  # not asked a second time
             assert rows[0]["steps"][0]["data"]["requests"] == {"n1": side.next_id}

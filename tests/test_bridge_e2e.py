@@ -63,7 +63,7 @@ def test_alert_to_stacks_checkpoint_and_restart_of_a_torchrun_job(tmp_path: Path
                     return len(re.findall(r'robust_rank_info\{[^}]*run="e2e"', text)) >= 2
 
                 wait_until(steps_of_both_ranks, 120, 0.5,
-                           message=f"both ranks in the sidecar\n{sidecar.log_tail()}")
+                           message=lambda: f"both ranks in the sidecar\n{sidecar.log_tail()}")
                 r = client.post("/api/v1/alerts", headers=AUTH, json=webhook(alert(
                     "RankStraggler", fingerprint="e2e1", run="e2e", node="n1")))
                 assert r.status_code == 200, r.text

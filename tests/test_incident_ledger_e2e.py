@@ -41,7 +41,7 @@ def test_hang_restart_resume_enters_detect_act_recover_and_lost_steps(tmp_path: 
         parts.local.start(RUN)
         sel = f'{{run="{RUN}"}}'
         wait_until(lambda: parts.scalar(f"max(robust_global_step{sel})") == 5, 120, 0.5,
-                   message=f"the job to reach step 5\n{parts.job_log.read_text()[-3000:]}")
+                   message=lambda: f"the job to reach step 5\n{parts.job_log.read_text()[-3000:]}")
         time.sleep(3)  # the hang goes unnoticed for a while, as it would under a rule's `for`
         last_step = parts.scalar(f"max(robust_last_step_timestamp_seconds{sel})")
         assert last_step is not None

@@ -42,7 +42,7 @@ def _entry(parts: Parts, n: int = 1) -> dict[str, Any] | None:
 
 def _first_nan(parts: Parts) -> None:
     wait_until(lambda: parts.scalar(f"max(robust_nonfinite_first_step{SEL})") == 7, 150, 0.5,
-               message=f"the NaN at step 7\n{parts.job_log.read_text()[-3000:]}")
+               message=lambda: f"the NaN at step 7\n{parts.job_log.read_text()[-3000:]}")
 
 
 def test_a_nan_that_follows_the_data_is_persistent_and_stops_the_restarts(

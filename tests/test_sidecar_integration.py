@@ -184,7 +184,7 @@ def test_stacks_and_checkpoint_of_a_real_gloo_job(gloo_job: RankJob, metrics_dir
             steps = scrape(sidecar.url).get("robust_steps_total", {})
             return steps.get(key0, 0) >= 3 and steps.get(key1, 0) >= 3
 
-        wait_until(stepping, timeout=120, message=f"ranks stepping\n{gloo_job.logs()}")
+        wait_until(stepping, timeout=120, message=lambda: f"ranks stepping\n{gloo_job.logs()}")
         m = scrape(sidecar.url)
         assert m["robust_rank_process_alive"] == {key0: 1.0, key1: 1.0}
         assert 0 <= m["robust_rank_step_age_seconds"][key0] < 30
@@ -218,7 +218,7 @@ def test_stacks_and_checkpoint_of_a_real_gloo_job(gloo_job: RankJob, metrics_dir
             ids = scrape(sidecar.url).get("robust_checkpoint_request_id", {})
             return ids.get(key0) == request_id and ids.get(key1) == request_id
 
-        wait_until(acknowledged, timeout=60, message=f"checkpoint ack\n{gloo_job.logs()}")
+        wait_until(acknowledged, timeout=60, message=lambda: f"checkpoint ack\n{gloo_job.logs()}")
         m = scrape(sidecar.url)
         assert m["robust_last_checkpoint_timestamp_seconds"][key0] > time.time() - 120
         time.sleep(1.5)  # a second poll must not run it again
@@ -240,7 +240,7 @@ def test_hung_rank_age_grows_and_stacks_show_where(metrics_dir: Path, tmp_path: 
                            log_path=tmp_path / "sidecar.log") as sidecar:
         key0, key1 = (("rank", "0"), ("run", "hang")), (("rank", "1"), ("run", "hang"))
         wait_until(lambda: "hanging at step 5" in job.logs(), timeout=120,
-                   message=f"rank 1 to hang\n{job.logs()}")
+                   message=lambda: f"rank 1 to hang\n{job.logs()}")
         first = scrape(sidecar.url)
         time.sleep(2.0)
         second = scrape(sidecar.url)

@@ -19,8 +19,8 @@ import pytest
 from bench.slurm_cluster import SlurmCluster
 from robust_metrics.bridge.schedulers import base
 from robust_metrics.bridge.schedulers.slurm import SlurmScheduler
-from tests.slurm.fixture import slurm_cluster
-from tests.support import EXAMPLE, ROOT, wait_until
+from tests.slurm.fixture import job_log, slurm_cluster
+from tests.support import EXAMPLE, ROOT, free_port_block, wait_until
 
 __all__ = ["slurm_cluster"]  # the module fixture, imported for pytest
 
@@ -40,39 +40,37 @@ def rest(cluster: SlurmCluster, tmp_path: Path) -> SlurmScheduler:
                            "slurm_conf": str(cluster.conf), "timeout_s": 10})
 
 
-def _log(path: Path) -> str:
-    return path.read_text(errors="replace") if path.exists() else ""
-
-
 @pytest.mark.integration
 def test_signal_checkpoints_once_then_requeue_resumes(cluster: SlurmCluster, rest: SlurmScheduler,
                                                       tmp_path: Path) -> None:
     log, ckpt, metrics = tmp_path / "job.log", tmp_path / "ckpt", tmp_path / "metrics"
     job = cluster.sbatch(SBATCH, f"--output={log}", env={
         "RM_PYTHON": sys.executable, "RM_TRAIN": str(EXAMPLE), "RM_CKPT_DIR": str(ckpt),
-        "ROBUST_METRICS_DIR": str(metrics)})
+        "ROBUST_METRICS_DIR": str(metrics),
+        "RM_MASTER_PORT": str(free_port_block(2))})
     try:
         # watch() has installed its SIGUSR1 handler once the rank registered itself
         wait_until(lambda: list((metrics / "ranks").glob("*.json")), 90, interval=0.3,
-                   message=f"the hook of job {job} to start\n{_log(log)}")
+                   message=lambda: f"the hook of job {job} to start\n{job_log(log)}\n"
+                                   f"{cluster.cli('scontrol', 'show', 'job', job, check=False)}")
         result = rest.signal(job, signal.SIGUSR1)
         assert result.ok and result.data == {"job_id": job, "signal": "SIGUSR1"}
-        line = wait_until(lambda: re.search(r"checkpoint at step (\d+)", _log(log)), 30,
-                          message=f"a checkpoint after SIGUSR1\n{_log(log)}")
+        line = wait_until(lambda: re.search(r"checkpoint at step (\d+)", job_log(log)), 30,
+                          message=lambda: f"a checkpoint after SIGUSR1\n{job_log(log)}")
         step = int(line.group(1))
         time.sleep(1.0)  # ~20 more steps: a second checkpoint for the same signal would show
         assert cluster.job_field(job, "JobState") == "RUNNING"
         assert (ckpt / "checkpoint.pt").exists()
-        assert len(re.findall(r"checkpoint at step", _log(log))) == 1, _log(log)
+        assert len(re.findall(r"checkpoint at step", job_log(log))) == 1, job_log(log)
         assert rest.job(job)["job_state"] == "RUNNING"
 
         result = rest.restart(job, f"StepHang on run {job}")
         assert result.ok and result.data["job_id"] == job
         assert result.data["job_state"] in ("COMPLETING", "PENDING", "REQUEUED", "CONFIGURING")
-        wait_until(lambda: f"resumed from step {step}" in _log(log), 90, interval=0.3,
-                   message=f"the requeued job to resume from step {step}\n{_log(log)}\n"
+        wait_until(lambda: f"resumed from step {step}" in job_log(log), 90, interval=0.3,
+                   message=lambda: f"the requeued job to resume from step {step}\n{job_log(log)}\n"
                            f"{cluster.cli('scontrol', 'show', 'job', job)}")
-        assert "start restart=1" in _log(log)
+        assert "start restart=1" in job_log(log)
         assert cluster.job_field(job, "Restarts") == "1"
         assert rest.job(job)["restart_cnt"] == 1
 
@@ -115,8 +113,8 @@ def test_cli_only_adapter_signals_steps_and_cancels(cluster: SlurmCluster, tmp_p
         wait_until(lambda: f"{job}.0" in cluster.cli("squeue", "-h", "-s", "-j", job, "-o",
                                                      "%i").split(),
                    30, message="the srun step to start")
-        wait_until(lambda: cli.signal(job, signal.SIGUSR1).ok and "step got USR1" in _log(out),
-                   20, interval=1, message=f"the step to get SIGUSR1\n{_log(out)}")
+        wait_until(lambda: cli.signal(job, signal.SIGUSR1).ok and "step got USR1" in job_log(out),
+                   20, interval=1, message=lambda: f"the step to get SIGUSR1\n{job_log(out)}")
         # the batch shell was not signalled: an untrapped SIGUSR1 would have ended the job
         assert cluster.job_field(job, "JobState") == "RUNNING"
         assert cli.cancel(job, "done").ok

@@ -24,8 +24,8 @@ from robust_metrics.bridge.app import create_app
 from robust_metrics.bridge.config import parse
 from robust_metrics.bridge.service import Bridge
 from tests.bridge_fakes import alert, serve_app, webhook
-from tests.slurm.fixture import slurm_cluster
-from tests.support import EXAMPLE, ROOT, wait_until
+from tests.slurm.fixture import job_log, slurm_cluster
+from tests.support import EXAMPLE, ROOT, free_port_block, wait_until
 
 __all__ = ["slurm_cluster"]  # the module fixture, imported for pytest
 
@@ -64,7 +64,7 @@ def _settled(client: httpx.Client, rule: str) -> dict[str, Any]:
     final = {"done", "failed", "skipped", "cancelled"}
     return wait_until(lambda: next((a for a in _actions(client) if a.get("rule") == rule
                                     and a["status"] in final), None), 60, interval=0.3,
-                      message=f"the bridge to finish rule {rule}: {_actions(client)}")
+                      message=lambda: f"the bridge to finish rule {rule}: {_actions(client)}")
 
 
 @pytest.mark.integration
@@ -74,27 +74,29 @@ def test_alerts_checkpoint_and_requeue_the_job_and_drain_the_node(slurm_cluster:
     log, metrics = tmp_path / "job.log", tmp_path / "metrics"
     job = c.sbatch(SBATCH, f"--output={log}", env={
         "RM_PYTHON": sys.executable, "RM_TRAIN": str(EXAMPLE), "RM_CKPT_DIR": str(tmp_path / "ck"),
-        "ROBUST_METRICS_DIR": str(metrics)})
+        "ROBUST_METRICS_DIR": str(metrics),
+        "RM_MASTER_PORT": str(free_port_block(2))})
     try:
         wait_until(lambda: list((metrics / "ranks").glob("*.json")), 90, interval=0.3,
-                   message=f"job {job} to start training")
+                   message=lambda: f"job {job} to start training\n{job_log(log)}\n"
+                                   f"{c.cli('scontrol', 'show', 'job', job, check=False)}")
         r = bridge.post("/api/v1/alerts", headers=AUTH, content=json.dumps(
             webhook(alert("LossSpike", fingerprint="spike1", run=job))))
         assert r.status_code == 200, r.text
         done = _settled(bridge, "checkpoint")
         assert done["status"] == "done", _actions(bridge)
         assert done["steps"][0]["data"]["signal"] == "SIGUSR1", done
-        wait_until(lambda: "checkpoint at step" in log.read_text(), 30, interval=0.3,
-                   message=f"a checkpoint after SIGUSR1\n{log.read_text()}")
+        wait_until(lambda: "checkpoint at step" in job_log(log), 30, interval=0.3,
+                   message=lambda: f"a checkpoint after SIGUSR1\n{job_log(log)}")
         time.sleep(1.0)  # ~20 more steps: a second checkpoint for the same alert would show
-        assert log.read_text().count("checkpoint at step") == 1, log.read_text()
+        assert job_log(log).count("checkpoint at step") == 1, job_log(log)
 
         r = bridge.post("/api/v1/alerts", headers=AUTH, content=json.dumps(
             webhook(alert("StepHang", fingerprint="hang1", run=job))))
         assert r.status_code == 200, r.text
         assert _settled(bridge, "requeue-hung")["status"] == "done", _actions(bridge)
-        wait_until(lambda: "start restart=1" in log.read_text(), 60, interval=0.3,
-                   message=f"the requeued job to start again\n{log.read_text()}")
+        wait_until(lambda: "start restart=1" in job_log(log), 60, interval=0.3,
+                   message=lambda: f"the requeued job to start again\n{job_log(log)}")
         assert c.job_field(job, "Restarts") == "1"
 
         r = bridge.post("/api/v1/alerts", headers=AUTH, content=json.dumps(

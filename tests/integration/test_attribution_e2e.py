@@ -74,7 +74,7 @@ def test_online_attribution_matches_the_what_if(tmp_path: Path) -> None:
         prom.wait_for_targets_up(12, timeout=90)
         time.sleep(WINDOW + 8)  # the windows fill with steps after start-up
         online = {run: wait_until(lambda run=run: _online(prom, run), timeout=60, interval=1,
-                                  message=f"attribution of {run}\n{jobs[run].logs()}")
+                                  message=lambda run=run: f"attribution of {run}\n{jobs[run].logs()}")
                   for run in CASES}
         for job in jobs.values():
             job.kill()

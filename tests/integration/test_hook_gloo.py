@@ -99,7 +99,8 @@ def test_in_process_endpoints_serve_every_rank(tmp_path: Path) -> None:
                           for s in f.samples if s.labels.get("run") == "http"}
                 return values if values.get("robust_steps_total", 0) >= 5 else {}
 
-            values = wait_until(scraped, timeout=60, message=f"5 steps on {url}\n{job.logs()}")
+            values = wait_until(scraped, timeout=60,
+                                message=lambda url=url: f"5 steps on {url}\n{job.logs()}")
             for spec in (schema.STEPS_TOTAL, schema.LAST_STEP_TIMESTAMP, schema.LOSS,
                          schema.GRAD_NORM, schema.NONFINITE_LOSS, schema.NONFINITE_GRAD):
                 assert spec.name in values, spec.name

@@ -44,7 +44,7 @@ def test_online_estimate_and_simulator_agree_on_the_slow_rank(tmp_path: Path) ->
             return float(result[0]["value"][1])
 
         online = wait_until(estimate, timeout=120, interval=1,
-                            message=f"online slowdown estimate\n{job.logs()}")
+                            message=lambda: f"online slowdown estimate\n{job.logs()}")
         ratios = {int(r["metric"]["rank"]): float(r["value"][1]) for r in prom.query(
             f'run_rank:robust_step_compute_seconds:mean5m{{run="{RUN}"}} / on (run) group_left () '
             f'run:robust_step_compute_seconds:median5m')}

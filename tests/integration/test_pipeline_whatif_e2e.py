@@ -61,7 +61,7 @@ def test_a_heavy_last_stage_is_the_verdict_online_and_in_the_what_if(tmp_path: P
         prom.wait_for_targets_up(4, timeout=90)
         time.sleep(WINDOW + 8)  # the windows fill with steps after start-up
         online = wait_until(lambda: _online(prom), timeout=60, interval=1,
-                            message=f"attribution\n{job.logs()}")
+                            message=lambda: f"attribution\n{job.logs()}")
         job.kill()
     result = analyze(load_model(trace, steps=range(15, 10_000_000)))  # past start-up
     report = (f"online S={online['S']:.3f} verdict={online['verdict']} "

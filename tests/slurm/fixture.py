@@ -11,7 +11,7 @@ import pytest
 
 from bench.slurm_cluster import SlurmCluster, missing_binaries
 
-__all__ = ["slurm_cluster"]
+__all__ = ["job_log", "slurm_cluster"]
 
 
 @pytest.fixture(scope="module")
@@ -34,3 +34,8 @@ def slurm_cluster() -> Iterator[SlurmCluster]:
             yield cluster
         finally:
             cluster.stop()
+
+
+def job_log(path: Path) -> str:
+    """A batch job's output so far ('' before Slurm created the file)."""
+    return path.read_text(errors="replace") if path.exists() else ""
