@@ -5,13 +5,14 @@ the rules are the shipped ones rescaled by 1/15 (`robust-metrics rules --time-sc
 these intervals to the production ones (15 s): 5 minute windows become 20 s, `for: 5m` 20 s, the
 30 s hang floor 2 s. Two jobs:
 
-- a healthy job that must raise nothing, not even a pending alert; then one of its ranks is
-  stopped with SIGSTOP: TrainingHang fires for the run and RankHang names the stopped rank.
-  "Nothing" holds on a busy machine too: the one alert a healthy job may show pending is the
-  informational straggler estimate (action none), and only when it names a rank whose own
-  compute samples show it slower than the median rank (a real straggler: the CI machine's other
-  work can make one). Anything that asks for an action, any other alert, and a firing or
-  unexplained straggler estimate fail the test;
+- a healthy job that must raise nothing; then one of its ranks is stopped with SIGSTOP:
+  TrainingHang fires for the run and RankHang names the stopped rank. "Nothing" holds on a busy
+  machine too, without assuming spare cores: no alert fires (a pending one neither acts nor
+  notifies; its hold is what tells the CI machine's passing contention from a straggler), and
+  the informational straggler estimate (action none), pending or firing, must say what the raw
+  compute samples show: a rank really slower than the median, or spread that the ranks'
+  step-to-step variation explains. Any alert that fires, and an unexplained straggler
+  estimate, fail the test;
 - a job with a slow rank and a NaN loss on another: SlowRank names the slow rank and
   NonFiniteLoss the NaN rank.
 
@@ -39,6 +40,7 @@ WORLD = 4
 TIME_SCALE = 1 / 15  # 1 s intervals here, 15 s in production
 STEP_SLEEP = "0.05"
 WINDOW = f"{300 * TIME_SCALE:g}s"  # the rules' 5-minute window at this time scale
+SHORT_WINDOW = f"{120 * TIME_SCALE:g}s"  # StragglerSlowdownHigh's 2-minute window
 STRAGGLER = "StragglerSlowdownHigh"
 
 
@@ -55,55 +57,91 @@ def alerts(prom: PrometheusServer, run: str, state: str | None = None) -> list[d
 
 
 def unexplained(prom: PrometheusServer, run: str) -> list[str]:
-    """What a healthy run must not show, each with the reason: an active alert that asks for an
-    action, any other alert, and the straggler estimate when what it names is not measurably
-    slower in the raw samples (`straggler_unexplained`)."""
+    """What a healthy run must not show, each with the reason: an alert that fires (it acts or
+    notifies), and the straggler estimate, pending or firing, where the raw samples do not
+    explain it (`straggler_unexplained`; explained, it has no action and may fire).
+
+    A pending alert neither acts nor notifies: its hold is how a rule tells a passing
+    disturbance from a lasting one. Under the suite's load a rank can compute 1.25x its peers
+    for a minute of rule time (4 s here): SlowRank is then pending until the contention moves
+    on, which is what the rule promises. Pending alerts are printed.
+    """
     problems = []
     for a in alerts(prom, run):
         name, action, state = a["labels"]["alertname"], a["labels"].get("action"), a["state"]
-        if action != "none":
-            problems.append(f"{name} {state}, action {action}: {a}")
-        elif name != STRAGGLER:
-            problems.append(f"{name} {state}: {a}")
-        else:
+        if name == STRAGGLER and action == "none":
             why = straggler_unexplained(prom, run, a)
             if why:
                 problems.append(why)
+        elif state == "firing":
+            problems.append(f"{name} firing, action {action}: {a}")
+        else:
+            print(f"\n{run}: {name} pending, action {action}, value {a['value']} (held, not "
+                  f"acted on): {a['labels']}")
     return problems
 
 
 def straggler_unexplained(prom: PrometheusServer, run: str, alert: dict[str, Any]) -> str | None:
     """None when StragglerSlowdownHigh (pending or firing, action none) says what the raw
-    compute samples (sum and count over the rules' 5-minute window, no recorded series) show:
-    verdict worker naming a rank at least 5% above the median rank's compute, or verdict spread
-    with some rank that far above it. Another process competing for the two cores makes one
-    rank or another really slower, and the estimate may say so. The reason otherwise (a DDP job
-    has no pipeline stage to blame).
+    compute samples show (sums, squares and counts, no recorded series); the reason otherwise
+    (a DDP job has no pipeline stage to blame). Another process competing for the two cores
+    really slows one rank or another, and the estimate may say so:
+
+    - verdict worker: the named rank computes at least 5% more per step than the median rank
+      over the verdict's 5-minute window;
+    - verdict spread: either some rank does (contention that stayed), or the ranks'
+      step-to-step variation over the estimate's 2-minute window is large enough to make it.
+      S - 1 is the slowest rank's mean compute above the mean rank's, over the ideal step; a
+      burst that stalls one rank and then another raises that rank's mean by about its own
+      standard deviation at most, so over 4 ranks S - 1 <= E[max of 4 standard normals] x
+      CV = 1.03 x the largest coefficient of variation of a rank's compute. A rank that is
+      slower at every step has a small CV and is not explained by it.
 
     One slow rank needs 1.14x the others' compute for S = 1.1 with four ranks; equal ranks stay
-    under 1.01x on this machine even with both cores saturated (/proc/pressure/cpu at 80%).
+    under 1.01x on this machine even with both cores saturated (/proc/pressure/cpu at 80%),
+    their CV under 0.13 with the rest of the suite running beside them.
     """
     labels = alert["labels"]
     verdict, rank = labels.get("verdict"), labels.get("rank")
     if verdict not in {"worker", "spread"} or (verdict == "worker" and rank is None):
         return f"{STRAGGLER} {alert['state']} with a cause a DDP job cannot have: {alert}"
-    compute = {r["metric"]["rank"]: float(r["value"][1]) for r in prom.query(
-        f'rate(robust_step_compute_seconds_sum{{run="{run}"}}[{WINDOW}])'
-        f' / rate(robust_step_compute_seconds_count{{run="{run}"}}[{WINDOW}])')}
+    compute = _by_rank(prom, f"rate(robust_step_compute_seconds_sum{{run=\"{run}\"}}[{WINDOW}])"
+                             f" / rate(robust_step_compute_seconds_count{{run=\"{run}\"}}"
+                             f"[{WINDOW}])")
     if not compute:
         return f"{STRAGGLER} {alert['state']} and no compute samples to check it against: {alert}"
     median = statistics.median(compute.values())
     slowest = max(compute, key=compute.__getitem__)
     named = rank if verdict == "worker" else slowest
     ratio = compute.get(str(named), 0.0) / median
-    if ratio < 1.05:
-        return (f"{STRAGGLER} {alert['state']} at S = {alert['value']}, verdict {verdict}, "
-                f"rank {named} at {ratio:.3f}x the median rank's raw compute: no straggler "
-                f"explains it. Per-rank compute (s/step): {compute}")
-    print(f"\n{run}: {STRAGGLER} {alert['state']} at S = {float(alert['value']):.2f}, verdict "
-          f"{verdict}, rank {named} computing {ratio:.2f}x the median rank (the machine's other "
-          "work)")
-    return None
+    slowdown = float(alert["value"])
+    said = (f"{run}: {STRAGGLER} {alert['state']} at S = {slowdown:.3f}, verdict {verdict}, "
+            f"rank {named} computing {ratio:.3f}x the median rank")
+    if ratio >= 1.05:
+        print(f"\n{said} (the machine's other work)")
+        return None
+    if verdict == "spread":
+        cv = _by_rank(prom, _COMPUTE_CV.format(run=run, window=SHORT_WINDOW))
+        largest = max(cv.values(), default=0.0)
+        if slowdown - 1 <= MAX_OF_4_NORMALS * largest:
+            print(f"\n{said}, compute CV up to {largest:.3f}: spread by bursts (the machine's "
+                  "other work)")
+            return None
+        return (f"{said}, and S - 1 above 1.03 x the largest compute CV ({largest:.3f}) over "
+                f"{SHORT_WINDOW}: neither a slower rank nor bursts explain it. CV by rank: {cv}; "
+                f"compute (s/step): {compute}")
+    return (f"{said}: no straggler explains it. Per-rank compute (s/step): {compute}")
+
+
+MAX_OF_4_NORMALS = 1.03  # the mean of the largest of 4 standard normal draws (1.0294)
+_COMPUTE_CV = (  # each rank's coefficient of variation of compute per step: E[c^2]/E[c]^2 - 1
+    'sqrt(clamp_min(rate(robust_step_compute_seconds_squared_total{{run="{run}"}}[{window}])'
+    ' * rate(robust_step_compute_seconds_count{{run="{run}"}}[{window}])'
+    ' / rate(robust_step_compute_seconds_sum{{run="{run}"}}[{window}]) ^ 2 - 1, 0))')
+
+
+def _by_rank(prom: PrometheusServer, expr: str) -> dict[str, float]:
+    return {r["metric"]["rank"]: float(r["value"][1]) for r in prom.query(expr)}
 
 
 def wait_firing(prom: PrometheusServer, run: str, alertname: str, timeout: float,
@@ -169,6 +207,9 @@ def test_healthy_run_is_silent_then_a_stopped_rank_is_named(setup: dict[str, Any
             time.sleep(1)
         assert prom.query(f'run:robust_step_duration_seconds:median5m{{run="{run}"}}'), \
             "the step-time recording rules produced nothing: the silence above proves nothing"
+        cv = _by_rank(prom, _COMPUTE_CV.format(run=run, window=SHORT_WINDOW))
+        assert len(cv) == WORLD and all(0 <= v < 1 for v in cv.values()), \
+            f"the straggler estimate's explanation cannot read the ranks' compute CV: {cv}"
 
         stopped = 2
         os.kill(job.pids[stopped], signal.SIGSTOP)
@@ -217,17 +258,24 @@ def test_slow_rank_and_nan_loss_are_named(setup: dict[str, Any]) -> None:
 
 
 class _Recorded:
-    """Alerts and per-rank compute as a Prometheus would answer them, for `unexplained`."""
+    """Alerts and per-rank compute (mean and CV) as a Prometheus would answer them."""
 
-    def __init__(self, active: list[dict[str, Any]], compute: dict[str, float]) -> None:
+    def __init__(self, active: list[dict[str, Any]], compute: dict[str, float],
+                 cv: dict[str, float] | None = None) -> None:
         self.active, self.compute = active, compute
+        self.cv = cv if cv is not None else dict.fromkeys(compute, 0.02)
 
     def api(self, path: str) -> dict[str, Any]:
         return {"alerts": self.active}
 
     def query(self, expr: str) -> list[dict[str, Any]]:
-        assert "robust_step_compute_seconds_sum" in expr and f"[{WINDOW}]" in expr, expr
-        return [{"metric": {"rank": r}, "value": [0, str(v)]} for r, v in self.compute.items()]
+        if "squared" in expr:
+            assert f"[{SHORT_WINDOW}]" in expr, expr
+            values = self.cv
+        else:
+            assert "robust_step_compute_seconds_sum" in expr and f"[{WINDOW}]" in expr, expr
+            values = self.compute
+        return [{"metric": {"rank": r}, "value": [0, str(v)]} for r, v in values.items()]
 
 
 def _alert(name: str, action: str, state: str = "pending", **labels: str) -> dict[str, Any]:
@@ -239,18 +287,27 @@ def test_a_healthy_run_may_show_only_a_straggler_its_samples_explain() -> None:
     rank1_slow = {"0": 0.052, "1": 0.065, "2": 0.052, "3": 0.053}
     equal = {"0": 0.052, "1": 0.053, "2": 0.052, "3": 0.053}
     worker1 = {"verdict": "worker", "rank": "1", "node": "n1"}
+    spread = {"verdict": "spread"}
 
-    def problems(active: list[dict[str, Any]], compute: dict[str, float]) -> list[str]:
-        return unexplained(_Recorded(active, compute), "healthy")  # type: ignore[arg-type]
+    def problems(active: list[dict[str, Any]], compute: dict[str, float],
+                 cv: dict[str, float] | None = None) -> list[str]:
+        return unexplained(_Recorded(active, compute, cv), "healthy")  # type: ignore[arg-type]
 
     assert problems([], equal) == []
     assert problems([_alert(STRAGGLER, "none", **worker1)], rank1_slow) == []
     assert problems([_alert(STRAGGLER, "none", "firing", **worker1)], rank1_slow) == []
-    assert problems([_alert(STRAGGLER, "none", verdict="spread")], rank1_slow) == []
+    assert problems([_alert(STRAGGLER, "none", **spread)], rank1_slow) == []
     assert problems([_alert(STRAGGLER, "none", **worker1)], equal)  # samples say no
-    assert problems([_alert(STRAGGLER, "none", verdict="spread")], equal)
+    assert problems([_alert(STRAGGLER, "none", **spread)], equal)  # steady ranks: CV 0.02
+    # bursts: one rank's compute varies by 31% step to step, so S = 1.31 is within 1.03 x CV
+    assert problems([_alert(STRAGGLER, "none", **spread)], equal, {**equal, "2": 0.31}) == []
+    assert problems([_alert(STRAGGLER, "none", "firing", **spread)], equal, {"2": 0.31}) == []
+    assert problems([_alert(STRAGGLER, "none", **spread)], equal, {"2": 0.29})
+    assert problems([_alert(STRAGGLER, "none", **worker1)], equal, {"1": 0.5})  # names a rank
     assert problems([_alert(STRAGGLER, "none", verdict="worker", rank="2")], rank1_slow)
     assert problems([_alert(STRAGGLER, "none", verdict="worker")], rank1_slow)
     assert problems([_alert(STRAGGLER, "none", verdict="stage", pp_rank="1")], rank1_slow)
-    assert problems([_alert("SlowRank", "checkpoint", **worker1)], rank1_slow)
-    assert problems([_alert("LossSpike", "none")], rank1_slow)
+    # an action held (pending) is not taken; one that fires is, whatever the samples say
+    assert problems([_alert("SlowRank", "checkpoint", **worker1)], equal) == []
+    assert problems([_alert("SlowRank", "checkpoint", "firing", **worker1)], rank1_slow)
+    assert problems([_alert("LossSpike", "none", "firing")], rank1_slow)
