@@ -19,7 +19,7 @@ import pytest
 from bench.slurm_cluster import SlurmCluster
 from robust_metrics.bridge.schedulers import base
 from robust_metrics.bridge.schedulers.slurm import SlurmScheduler
-from tests.slurm.fixture import job_log, slurm_cluster
+from tests.slurm.fixture import job_log, job_report, slurm_cluster
 from tests.support import EXAMPLE, ROOT, free_port_block, wait_until
 
 __all__ = ["slurm_cluster"]  # the module fixture, imported for pytest
@@ -51,8 +51,8 @@ def test_signal_checkpoints_once_then_requeue_resumes(cluster: SlurmCluster, res
     try:
         # watch() has installed its SIGUSR1 handler once the rank registered itself
         wait_until(lambda: list((metrics / "ranks").glob("*.json")), 90, interval=0.3,
-                   message=lambda: f"the hook of job {job} to start\n{job_log(log)}\n"
-                                   f"{cluster.cli('scontrol', 'show', 'job', job, check=False)}")
+                   message=lambda: f"the hook of job {job} to start\n"
+                                   f"{job_report(cluster, job, log)}")
         result = rest.signal(job, signal.SIGUSR1)
         assert result.ok and result.data == {"job_id": job, "signal": "SIGUSR1"}
         line = wait_until(lambda: re.search(r"checkpoint at step (\d+)", job_log(log)), 30,
@@ -68,8 +68,8 @@ def test_signal_checkpoints_once_then_requeue_resumes(cluster: SlurmCluster, res
         assert result.ok and result.data["job_id"] == job
         assert result.data["job_state"] in ("COMPLETING", "PENDING", "REQUEUED", "CONFIGURING")
         wait_until(lambda: f"resumed from step {step}" in job_log(log), 90, interval=0.3,
-                   message=lambda: f"the requeued job to resume from step {step}\n{job_log(log)}\n"
-                           f"{cluster.cli('scontrol', 'show', 'job', job)}")
+                   message=lambda: f"the requeued job to resume from step {step}\n"
+                                   f"{job_report(cluster, job, log)}")
         assert "start restart=1" in job_log(log)
         assert cluster.job_field(job, "Restarts") == "1"
         assert rest.job(job)["restart_cnt"] == 1

@@ -24,7 +24,7 @@ from robust_metrics.bridge.app import create_app
 from robust_metrics.bridge.config import parse
 from robust_metrics.bridge.service import Bridge
 from tests.bridge_fakes import alert, serve_app, webhook
-from tests.slurm.fixture import job_log, slurm_cluster
+from tests.slurm.fixture import job_log, job_report, slurm_cluster
 from tests.support import EXAMPLE, ROOT, free_port_block, wait_until
 
 __all__ = ["slurm_cluster"]  # the module fixture, imported for pytest
@@ -78,8 +78,7 @@ def test_alerts_checkpoint_and_requeue_the_job_and_drain_the_node(slurm_cluster:
         "RM_MASTER_PORT": str(free_port_block(2))})
     try:
         wait_until(lambda: list((metrics / "ranks").glob("*.json")), 90, interval=0.3,
-                   message=lambda: f"job {job} to start training\n{job_log(log)}\n"
-                                   f"{c.cli('scontrol', 'show', 'job', job, check=False)}")
+                   message=lambda: f"job {job} to start training\n{job_report(c, job, log)}")
         r = bridge.post("/api/v1/alerts", headers=AUTH, content=json.dumps(
             webhook(alert("LossSpike", fingerprint="spike1", run=job))))
         assert r.status_code == 200, r.text

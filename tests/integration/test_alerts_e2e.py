@@ -41,6 +41,7 @@ TIME_SCALE = 1 / 15  # 1 s intervals here, 15 s in production
 STEP_SLEEP = "0.05"
 WINDOW = f"{300 * TIME_SCALE:g}s"  # the rules' 5-minute window at this time scale
 SHORT_WINDOW = f"{120 * TIME_SCALE:g}s"  # StragglerSlowdownHigh's 2-minute window
+MAX_OF_4_NORMALS = 1.03  # the mean of the largest of 4 standard normal draws (1.0294)
 STRAGGLER = "StragglerSlowdownHigh"
 
 
@@ -121,7 +122,7 @@ def straggler_unexplained(prom: PrometheusServer, run: str, alert: dict[str, Any
         print(f"\n{said} (the machine's other work)")
         return None
     if verdict == "spread":
-        cv = _by_rank(prom, _COMPUTE_CV.format(run=run, window=SHORT_WINDOW))
+        cv = compute_cv(prom, run)
         largest = max(cv.values(), default=0.0)
         if slowdown - 1 <= MAX_OF_4_NORMALS * largest:
             print(f"\n{said}, compute CV up to {largest:.3f}: spread by bursts (the machine's "
@@ -133,11 +134,15 @@ def straggler_unexplained(prom: PrometheusServer, run: str, alert: dict[str, Any
     return (f"{said}: no straggler explains it. Per-rank compute (s/step): {compute}")
 
 
-MAX_OF_4_NORMALS = 1.03  # the mean of the largest of 4 standard normal draws (1.0294)
-_COMPUTE_CV = (  # each rank's coefficient of variation of compute per step: E[c^2]/E[c]^2 - 1
-    'sqrt(clamp_min(rate(robust_step_compute_seconds_squared_total{{run="{run}"}}[{window}])'
-    ' * rate(robust_step_compute_seconds_count{{run="{run}"}}[{window}])'
-    ' / rate(robust_step_compute_seconds_sum{{run="{run}"}}[{window}]) ^ 2 - 1, 0))')
+def compute_cv(prom: PrometheusServer, run: str) -> dict[str, float]:
+    """Each rank's coefficient of variation of compute per step over StragglerSlowdownHigh's
+    2-minute window, from the raw sums of compute, of its squares, and the step counts:
+    CV^2 = E[c^2] / E[c]^2 - 1."""
+    sel, window = f'{{run="{run}"}}', f"[{SHORT_WINDOW}]"
+    return _by_rank(prom, f"sqrt(clamp_min("
+                          f"rate(robust_step_compute_seconds_squared_total{sel}{window})"
+                          f" * rate(robust_step_compute_seconds_count{sel}{window})"
+                          f" / rate(robust_step_compute_seconds_sum{sel}{window}) ^ 2 - 1, 0))")
 
 
 def _by_rank(prom: PrometheusServer, expr: str) -> dict[str, float]:
@@ -207,7 +212,7 @@ def test_healthy_run_is_silent_then_a_stopped_rank_is_named(setup: dict[str, Any
             time.sleep(1)
         assert prom.query(f'run:robust_step_duration_seconds:median5m{{run="{run}"}}'), \
             "the step-time recording rules produced nothing: the silence above proves nothing"
-        cv = _by_rank(prom, _COMPUTE_CV.format(run=run, window=SHORT_WINDOW))
+        cv = compute_cv(prom, run)
         assert len(cv) == WORLD and all(0 <= v < 1 for v in cv.values()), \
             f"the straggler estimate's explanation cannot read the ranks' compute CV: {cv}"
 

@@ -11,7 +11,7 @@ import pytest
 
 from bench.slurm_cluster import SlurmCluster, missing_binaries
 
-__all__ = ["job_log", "slurm_cluster"]
+__all__ = ["job_log", "job_report", "slurm_cluster"]
 
 
 @pytest.fixture(scope="module")
@@ -39,3 +39,8 @@ def slurm_cluster() -> Iterator[SlurmCluster]:
 def job_log(path: Path) -> str:
     """A batch job's output so far ('' before Slurm created the file)."""
     return path.read_text(errors="replace") if path.exists() else ""
+
+
+def job_report(cluster: SlurmCluster, job: str, log: Path) -> str:
+    """What a failed wait on a batch job prints: its output so far and `scontrol show job`."""
+    return f"{job_log(log)}\n{cluster.cli('scontrol', 'show', 'job', job, check=False)}"
