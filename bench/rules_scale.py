@@ -17,8 +17,13 @@ group's evaluation time (`evaluationTime` of /api/v1/rules, the value of
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import datetime
+import itertools
 import json
+import math
 import os
+import re
 import signal
 import statistics
 import sys
@@ -233,20 +238,25 @@ def measure_prometheus(args: argparse.Namespace, exporter: Exporter, rule_file: 
     with prom:
         durations: dict[str, list[float]] = {}
         seen: set[tuple[str, str]] = set()
+        timeline = Timeline(prom)
         start = _metrics(prom.url)
         appended = _sum(start, "prometheus_tsdb_head_samples_appended_total")
         cpu = _sum(start, "process_cpu_seconds_total")
         machine = psutil.cpu_times()
         t0 = time.monotonic()
         deadline = time.monotonic() + args.duration
-        while time.monotonic() < deadline:
-            time.sleep(2)
-            for group in prom.api("rules")["groups"]:
-                key = (group["name"], group["lastEvaluation"])
-                if group["lastEvaluation"].startswith("0001") or key in seen:
-                    continue
-                seen.add(key)
-                durations.setdefault(group["name"], []).append(group["evaluationTime"])
+        with timeline:
+            while time.monotonic() < deadline:
+                time.sleep(1)
+                for group in prom.api("rules")["groups"]:
+                    key = (group["name"], group["lastEvaluation"])
+                    if group["lastEvaluation"].startswith("0001") or key in seen:
+                        continue
+                    seen.add(key)
+                    durations.setdefault(group["name"], []).append(group["evaluationTime"])
+                    timeline.evaluations.append(Span(group["name"], _epoch(
+                        group["lastEvaluation"]), group["evaluationTime"]))
+                timeline.poll_scrapes()
         end, elapsed = _metrics(prom.url), time.monotonic() - t0
         appended = (_sum(end, "prometheus_tsdb_head_samples_appended_total") - appended) / elapsed
         # cores Prometheus kept busy (scrapes, ingestion, rules, compaction): at the machine's
@@ -324,7 +334,156 @@ def measure_prometheus(args: argparse.Namespace, exporter: Exporter, rule_file: 
         "quiet_replay_s": {name: round(min(v), 4) for name, v in quiet.items()},
         "quiet_rules_s": {name: round(t, 4) for name, t in per_rule.items()},
         "groups": _group_table(durations),
+        "timeline": timeline.report({name: min(v) for name, v in quiet.items()},
+                                    rules.parse_duration(args.interval) / 1000),
     }
+
+
+@dataclasses.dataclass(frozen=True)
+class Span:
+    """One group evaluation or one scrape: what, when it began (epoch seconds), how long."""
+    name: str
+    start: float
+    seconds: float
+
+    @property
+    def end(self) -> float:
+        return self.start + self.seconds
+
+    def overlap(self, other: Span) -> float:
+        return max(0.0, min(self.end, other.end) - max(self.start, other.start))
+
+
+def _epoch(rfc3339: str) -> float:
+    """Prometheus' RFC 3339 time with nanoseconds, as epoch seconds (Python parses micros)."""
+    match = re.fullmatch(r"([^.]+?)(\.\d+)?(Z|[+-]\d\d:\d\d)", rfc3339)
+    if not match:
+        raise ValueError(f"not an RFC 3339 time: {rfc3339!r}")
+    whole, frac, zone = match.groups()
+    zone = "+00:00" if zone == "Z" else zone
+    return datetime.datetime.fromisoformat(whole + zone).timestamp() + float(frac or 0)
+
+
+class Timeline:
+    """When each group evaluated and each target was scraped, and the CPU Prometheus used
+    every 0.1 s: whether a group slow in the run was slow because other evaluations and
+    scrapes ran beside it (the group's own cost is its time alone, the quiet replay's)."""
+
+    def __init__(self, prom: Prometheus, period: float = 0.1) -> None:
+        self.prom, self.period = prom, period
+        self.evaluations: list[Span] = []
+        self.scrapes: dict[tuple[str, str], Span] = {}
+        self.cpu: list[tuple[float, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample_cpu, daemon=True)
+
+    def __enter__(self) -> Timeline:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _sample_cpu(self) -> None:
+        process = psutil.Process(self.prom.proc.pid) if self.prom.proc else None
+        while process and not self._stop.wait(self.period):
+            times = process.cpu_times()
+            self.cpu.append((time.time(), times.user + times.system))
+
+    def poll_scrapes(self) -> None:
+        for target in self.prom.api("targets")["activeTargets"]:
+            if not target["lastScrape"].startswith("0001"):
+                key = (target["scrapeUrl"], target["lastScrape"])
+                self.scrapes[key] = Span(target["scrapeUrl"], _epoch(target["lastScrape"]),
+                                         target["lastScrapeDuration"])
+
+    def cores_during(self, span: Span) -> float | None:
+        """Cores Prometheus used over the span (from the CPU samples around it)."""
+        before = [s for s in self.cpu if s[0] <= span.start]
+        after = [s for s in self.cpu if s[0] >= span.end]
+        if not before or not after:
+            return None
+        (t0, c0), (t1, c1) = before[-1], after[0]
+        return (c1 - c0) / (t1 - t0)
+
+    def beside(self, span: Span) -> tuple[float, float]:
+        """Mean number of other group evaluations and of scrapes running during the span."""
+        width = max(span.seconds, 1e-3)
+        return (sum(span.overlap(e) for e in self.evaluations if e is not span) / width,
+                sum(span.overlap(s) for s in self.scrapes.values()) / width)
+
+    def report(self, alone: dict[str, float], interval: float) -> dict[str, Any]:
+        """Each evaluation's slowdown over its group's cost alone, beside what ran with it:
+        the evaluations over 1 s one by one, and the means for the slowed (over 2x) and the
+        rest."""
+        rows = []
+        for span in self.evaluations:
+            own = alone.get(span.name)
+            groups, scrapes = self.beside(span)
+            rows.append({"group": span.name, "seconds": round(span.seconds, 3),
+                         "alone_s": own, "x_alone": round(span.seconds / own, 1) if own else None,
+                         "groups_beside": round(groups, 2), "scrapes_beside": round(scrapes, 2),
+                         "prometheus_cores": _round(self.cores_during(span))})
+        slowed = [r for r in rows if r["x_alone"] and r["x_alone"] > 2]
+        rest = [r for r in rows if r["x_alone"] and r["x_alone"] <= 2]
+        return {"evaluations": len(rows), "scrapes": len(self.scrapes),
+                "slowed_over_2x": _means(slowed), "the_rest": _means(rest),
+                "x_alone_by_groups_beside": _by_groups_beside(rows),
+                "over_1s": sorted((r for r in rows if r["seconds"] > 1),
+                                  key=lambda r: -r["seconds"]),
+                "cores_by_second_of_round": self.round_profile(interval),
+                "group_offsets_s": self.offsets(interval)}
+
+    def round_profile(self, interval: float) -> list[float]:
+        """Cores Prometheus used in each second of the evaluation interval, over every round:
+        flat when the work is spread, peaked where group offsets cluster."""
+        busy, seen = [0.0] * math.ceil(interval), [0.0] * math.ceil(interval)
+        for (t0, c0), (t1, c1) in itertools.pairwise(self.cpu):
+            second = int(t0 % interval)
+            busy[second] += c1 - c0
+            seen[second] += t1 - t0
+        return [round(b / s, 2) if s else 0.0 for b, s in zip(busy, seen, strict=True)]
+
+    def offsets(self, interval: float) -> dict[str, float]:
+        """Where in the interval each group starts (Prometheus hashes it from the group's name
+        and file), in the order of the round."""
+        first = {e.name: round(e.start % interval, 2) for e in self.evaluations}
+        return dict(sorted(first.items(), key=lambda kv: kv[1]))
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 2)
+
+
+def _by_groups_beside(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Evaluations by how many other groups ran beside them on average (0, under 1, 1-2, 2-3,
+    3 or more): their count, median slowdown over their group's cost alone, and the cores
+    Prometheus used meanwhile."""
+    bins: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        if row["x_alone"] is None:
+            continue
+        beside = row["groups_beside"]
+        key = ("0" if beside == 0 else "<1" if beside < 1 else
+               f"{int(beside)}-{int(beside) + 1}" if beside < 3 else ">=3")
+        bins.setdefault(key, []).append(row)
+    return {key: {"count": len(bins[key]),
+                  "median_x_alone": _median([r["x_alone"] for r in bins[key]]),
+                  "prometheus_cores": _median([r["prometheus_cores"] for r in bins[key]])}
+            for key in ("0", "<1", "1-2", "2-3", ">=3") if key in bins}
+
+
+def _median(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return round(statistics.median(known), 2) if known else None
+
+
+def _means(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    keys = ("groups_beside", "scrapes_beside", "prometheus_cores")
+    return {"count": len(rows), **{
+        k: _round(statistics.mean(v)) if (v := [r[k] for r in rows if r[k] is not None])
+        else None for k in keys}}
 
 
 def _stop_rule_groups(prom: Prometheus, rule_file: Path, timeout: float = 60.0) -> None:
