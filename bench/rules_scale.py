@@ -11,7 +11,9 @@ target per 512 ranks (a node sidecar serves 8; the split only changes scrape par
 computes 50% longer than the others so the straggler rules have something to find. Prometheus
 evaluates the shipped rules at production intervals (15 s), and the benchmark reports each rule
 group's evaluation time (`evaluationTime` of /api/v1/rules, the value of
-`prometheus_rule_group_last_duration_seconds`), series per rank, and Prometheus' memory.
+`prometheus_rule_group_last_duration_seconds`), series per rank, and Prometheus' memory; then
+each group's cost alone (a quiet replay of its expressions), and a timeline that sets every
+evaluation beside the evaluations and scrapes that ran with it and the CPU Prometheus used.
 """
 
 from __future__ import annotations
@@ -433,6 +435,8 @@ class Timeline:
                 "over_1s": sorted((r for r in rows if r["seconds"] > 1),
                                   key=lambda r: -r["seconds"]),
                 "cores_by_second_of_round": self.round_profile(interval),
+                "alone_s_by_second_of_round": demand_by_second(self.offsets(interval), alone,
+                                                               interval),
                 "group_offsets_s": self.offsets(interval)}
 
     def round_profile(self, interval: float) -> list[float]:
@@ -450,6 +454,16 @@ class Timeline:
         and file), in the order of the round."""
         first = {e.name: round(e.start % interval, 2) for e in self.evaluations}
         return dict(sorted(first.items(), key=lambda kv: kv[1]))
+
+
+def demand_by_second(offsets: dict[str, float], alone: dict[str, float],
+                     interval: float) -> list[float]:
+    """Seconds of work alone that the groups starting in each second of the round bring: where
+    their offsets bunch, a 2-core engine is saturated while it is idle in other seconds."""
+    demand = [0.0] * math.ceil(interval)
+    for name, offset in offsets.items():
+        demand[int(offset)] += alone.get(name, 0.0)
+    return [round(d, 2) for d in demand]
 
 
 def _round(value: float | None) -> float | None:
