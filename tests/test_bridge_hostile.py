@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ from robust_metrics.bridge.app import create_app
 from robust_metrics.bridge.config import SidecarEndpoints, parse
 from robust_metrics.bridge.service import Bridge
 from robust_metrics.sidecar import config as sidecar_config
-from tests.bridge_fakes import FakeSidecar, Recorder, alert, serve_app, webhook
+from tests.bridge_fakes import FakeSidecar, Recorder, StubServer, alert, send_reply, serve_app, webhook
 from tests.support import ROOT, wait_until
 
 TOKEN = "hostile-tests-token"
@@ -100,6 +101,39 @@ def test_a_node_label_never_receives_the_sidecar_token(start_bridge: Any, layout
         mixed = rows["mixed"]["steps"][0]
         assert side.stack_requests == 1 and "n1" in mixed["data"]["nodes"]
         assert "not a configured sidecar host" in mixed["data"]["errors"][nodes[0]]
+
+
+class _CheckpointAnswer(BaseHTTPRequestHandler):
+    """A sidecar whose checkpoint answer is the server's `body`, byte for byte."""
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def do_POST(self) -> None:
+        send_reply(self, 200, self.server.owner.body)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("body", [b'{"request_id": 1e999}', b'{"request_id": -Infinity}',
+                                  b'{"request_id": NaN}', b'{"request_id": 1.5}',
+                                  b'{"request_id": true}', b'{"request_id": [7]}',
+                                  b'{"request_id": "7.5"}', b'{"id": null}', b'[]', b'7',
+                                  b'{"request_id": 7'])
+def test_a_checkpoint_answer_that_is_not_a_whole_request_id_is_a_sidecar_error(
+        body: bytes) -> None:
+    """The bridge waits for the ranks to acknowledge this id: a fraction would be another
+    request's, and an infinity raised OverflowError out of the action."""
+    from robust_metrics.bridge.sidecars import SidecarClient, SidecarError
+
+    with StubServer(_CheckpointAnswer) as side:
+        side.body = body
+        client = SidecarClient(SidecarEndpoints(urls={"n1": side.url}))
+        try:
+            with pytest.raises(SidecarError, match="without a request_id"):
+                client.request_checkpoint("n1")
+            side.body = b'{"request_id": "7"}'
+            assert client.request_checkpoint("n1") == 7
+        finally:
+            client.close()
 
 
 def test_sidecar_url_only_for_configured_hosts() -> None:

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import io
 import json
+import math
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from robust_metrics.analysis.flight_recorder import analyse_dumps, load_dump
@@ -140,7 +141,17 @@ entries = st.lists(st.fixed_dictionaries(
      "error": json_values}), max_size=4)
 
 
+def _dump(**fields: Any) -> dict[str, Any]:
+    return {"rank": None, "pid": None, "run": "r", "node": None, "dp_rank": None,
+            "threads": [], "error": None, **fields}
+
+
 @given(entries)
+# a pid or rank that JSON can carry but no process has: int() of an infinity raised
+# OverflowError (found by this test), of a fraction it truncated to another process' number
+@example([_dump(), _dump(pid=math.inf)])
+@example([_dump(rank=-math.inf), _dump(pid=math.nan)])
+@example([_dump(rank=1.5, pid=2.5), _dump(rank=1e308)])
 @FAST
 def test_sidecar_answers_of_any_shape_analyse_or_raise_value_error(
         dumps: list[dict[str, Any]]) -> None:

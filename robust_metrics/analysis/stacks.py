@@ -164,11 +164,15 @@ def _is_waiting(signature: tuple[str, ...]) -> bool:
 
 
 def _int_or_none(value: Any) -> int | None:
+    """A rank or pid from an untrusted answer: an integer, or None for anything else (a bool, a
+    fraction, an infinity or NaN, text that is not a whole number)."""
     if value is None or value == "" or isinstance(value, bool):
+        return None
+    if isinstance(value, float) and not value.is_integer():
         return None
     try:
         return int(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         return None
 
 

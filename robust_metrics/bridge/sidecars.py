@@ -159,7 +159,12 @@ class SidecarClient:
         response = self._call("POST", node, "/control/checkpoint", json=body)
         try:
             answer = response.json()
-            return int(answer["request_id"] if "request_id" in answer else answer["id"])
+            value = answer["request_id"] if "request_id" in answer else answer["id"]
+            # a whole number, as the sidecar counts them: int() would turn 1.5 into another
+            # request's id, a bool into 0 or 1, and raise OverflowError on an infinity
+            if isinstance(value, bool) or not isinstance(value, (int, str)):
+                raise TypeError(value)
+            return int(value)
         except (ValueError, KeyError, TypeError) as exc:
             raise SidecarError(f"sidecar of node {node}: checkpoint answer without a request_id: "
                                f"{response.text[:200]}") from exc
