@@ -432,6 +432,22 @@ def test_a_rank_of_another_user_writes_into_the_folder_it_cannot_list() -> None:
         shutil.rmtree(base)
 
 
+@pytest.mark.parametrize("body", ['{"id": 1e999}', '{"id": 1.5}', '{"id": true}',
+                                  '{"id": "7"}', '{"id": -1}', '{"id": 9007199254740992}',
+                                  '{"id": 7, "at_step": NaN}', '{"id": 7, "at_step": 2.5}',
+                                  '[7]', '{}'])
+def test_a_checkpoint_request_that_is_not_whole_numbers_is_ignored(tmp_path: Path,
+                                                                    body: str) -> None:
+    """The hook acknowledges the request's id and checkpoints at its step: a fraction would be
+    another request, and an infinity raised OverflowError past the reader's error handling."""
+    control.write_checkpoint_request(str(tmp_path), request_id=7, at_step=12)
+    assert control.read_checkpoint_request(str(tmp_path)) == control.CheckpointRequest(7, 12)
+    (tmp_path / "control" / "checkpoint.json").write_text(body)
+    with pytest.raises((ValueError, KeyError, AttributeError)):
+        control.read_checkpoint_request(str(tmp_path))
+    assert read_checkpoint_request_safely(str(tmp_path)) is None
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give the file another owner")
 def test_a_checkpoint_request_written_by_another_job_is_ignored(tmp_path: Path) -> None:
     control.write_checkpoint_request(str(tmp_path), request_id=7)

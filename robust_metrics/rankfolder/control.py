@@ -111,7 +111,16 @@ def read_checkpoint_request(metrics_dir: str) -> CheckpointRequest | None:
     finally:
         os.close(fd)
     at_step = data.get("at_step")
-    return CheckpointRequest(int(data["id"]), None if at_step is None else int(at_step))
+    return CheckpointRequest(_whole(data["id"], "id"),
+                             None if at_step is None else _whole(at_step, "at_step"))
+
+
+def _whole(value: Any, name: str) -> int:
+    """A number of the request file as the sidecar writes it, a JSON integer in [0, 2**53):
+    int() would make 1.5 another request's id and raise OverflowError on 1e999."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < MAX_REQUEST_ID:
+        raise ValueError(f"{name}={value!r} is not a whole number in [0, 2**53)")
+    return value
 
 
 # -- pod annotations (Kubernetes downward API) --------------------------------------------
