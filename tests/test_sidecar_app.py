@@ -119,6 +119,12 @@ def test_checkpoint_request_is_written_for_the_hook(client: TestClient, tmp_path
 @pytest.mark.parametrize("kwargs", [
     {"json": {"at_step": -1}}, {"json": {"at_step": "soon"}}, {"json": {"step": 3}},
     {"json": [1]}, {"content": b"{not json"}, {"params": {"at_step": "x"}},
+    # int() of these raised OverflowError (a 500), made step 1.5 step 1, and wrote steps the
+    # hook refuses (it reads them only below 2**53)
+    {"content": b'{"at_step": 1e999}'}, {"content": b'{"at_step": -Infinity}'},
+    {"content": b'{"at_step": 1.5}'}, {"json": {"at_step": True}},
+    {"json": {"at_step": 2**53}}, {"params": {"at_step": str(2**60)}},
+    {"params": {"at_step": "1e999"}}, {"params": {"at_step": "1.5"}},
 ])
 def test_bad_checkpoint_requests_get_400(client: TestClient, kwargs: dict) -> None:
     response = client.post("/control/checkpoint", headers=bearer(), **kwargs)

@@ -63,16 +63,22 @@ def _flag(request: Request, name: str) -> bool:
     raise BadRequest(f"{name}={value!r}: use 1/0 or true/false")
 
 
-def _number(value: Any, name: str, kind: type = int, minimum: float = 0) -> Any:
+def _number(value: Any, name: str, kind: type = int, minimum: float = 0,
+            maximum: float = math.inf) -> Any:
+    """A query or body number in [minimum, maximum); an integer is a JSON integer or decimal
+    digits (int() would make step 1.5 step 1 and raise OverflowError on 1e999)."""
     if value is None:
         return None
+    not_a = f"{name}={value!r} is not a{'n integer' if kind is int else ' number'}"
+    if isinstance(value, bool) or (kind is int and isinstance(value, float)):
+        raise BadRequest(not_a)
     try:
         number = kind(value)
-    except (TypeError, ValueError):
-        raise BadRequest(f"{name}={value!r} is not a{'n integer' if kind is int else ' number'}"
-                         ) from None
-    if isinstance(value, bool) or not math.isfinite(number) or number < minimum:
-        raise BadRequest(f"{name}={value!r}: must be a finite number >= {minimum}")
+    except (TypeError, ValueError, OverflowError):
+        raise BadRequest(not_a) from None
+    if not math.isfinite(number) or not minimum <= number < maximum:
+        upper = "" if maximum == math.inf else f" and < {maximum:g}"
+        raise BadRequest(f"{name}={value!r}: must be a finite number >= {minimum}{upper}")
     return number
 
 
@@ -177,8 +183,9 @@ def create_app(config: SidecarConfig, registry: ScrapeRegistry, folder: RankFold
                 if unknown:
                     raise BadRequest(f"unknown field(s) {', '.join(sorted(unknown))}; "
                                      "supported: at_step")
+            # the hook refuses a request whose step a float64 metric cannot hold exactly
             at_step = _number(body.get("at_step", request.query_params.get("at_step")),
-                              "at_step")
+                              "at_step", maximum=control.MAX_REQUEST_ID)
         except BadRequest as exc:
             return _error(400, str(exc))
         snapshot = await run_in_threadpool(folder.snapshot)
