@@ -110,6 +110,12 @@ def test_bad_input_gets_a_4xx_with_a_message(bridge_client: Any, tmp_path: Path)
                     headers={**AUTH, "Content-Type": "application/x-www-form-urlencoded"})
     assert r.status_code == 415
     assert client.get("/api/v1/actions", params={"limit": "0"}, headers=AUTH).status_code == 400
+    # digits to str.isdigit() but not to int() (a superscript, a circled one, 5,000 digits),
+    # and non-ASCII digits: a 400, where they raised ValueError (a 500)
+    for limit in ("\u00b2", "\u2460", "9" * 5000, "\u0661\u0660"):
+        for path in ("/api/v1/actions", "/api/v1/incidents"):
+            r = client.get(path, params={"limit": limit}, headers=AUTH)
+            assert r.status_code == 400 and "limit" in r.json()["error"], (path, limit)
     assert client.get("/api/v1/actions", params={"stat": "x"}, headers=AUTH).status_code == 400
     assert client.get("/nope").status_code == 404
     assert client.get("/api/v1/alerts").status_code == 405

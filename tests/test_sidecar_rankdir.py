@@ -13,6 +13,7 @@ import pytest
 from robust_metrics import schema
 from robust_metrics.hooks.sinks import MultiprocessSink
 from robust_metrics.hooks.store import MetricStore
+from robust_metrics.rankfolder.identity import pid_of
 from robust_metrics.rankfolder.metricfile import CorruptFile, parse_name, read_entries
 from robust_metrics.sidecar.collector import ScrapeRegistry
 from robust_metrics.sidecar.rankdir import RankFolder
@@ -295,4 +296,9 @@ def test_reader_rejects_malformed_files(tmp_path: Path) -> None:
         read_entries(str(path))
     assert parse_name(str(tmp_path), "gauge_mostrecent_12.db").mode == "mostrecent"
     assert parse_name(str(tmp_path), "counter_x.db") is None
+    # a job names its files: digits to str.isdigit() that int() refuses are no pid
+    for name in ("counter_\u00b2.db", "gauge_all_\u2460.db", "counter_\u0661.db",
+                 f"counter_{'1' * 5000}.db"):
+        assert parse_name(str(tmp_path), name) is None, name
+    assert pid_of("\u00b2.json") is None and pid_of("12.json") == 12
     assert parse_name(str(tmp_path), "archive.json") is None

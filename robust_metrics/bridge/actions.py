@@ -49,6 +49,7 @@ from robust_metrics.bridge.sidecars import ACK_METRIC as SIGNAL_ACK
 from robust_metrics.bridge.sidecars import SidecarClient, SidecarError, promql_string
 from robust_metrics.bridge.signing import signed_request
 from robust_metrics.bridge.store import Incident, Step
+from robust_metrics.numbers import rank_order
 from robust_metrics.rankfolder.identity import rank_info as identity_rank_info
 
 __all__ = ["Actions", "Interrupted", "Notifier", "Outcome", "StepContext"]
@@ -132,10 +133,6 @@ def _analyse(dumps: list[dict[str, Any]]) -> tuple[dict[str, Any] | None, str]:
         log.exception("stack analysis failed")
         return None, f"stack analysis failed ({exc!r}); raw dumps stored"
     return (dict(result) if isinstance(result, Mapping) else {"result": result}), "analysed"
-
-
-def _rank_order(rank: str) -> tuple[int, str]:
-    return (int(rank), rank) if rank.isdigit() else (1 << 30, rank)
 
 
 class Actions:
@@ -316,9 +313,9 @@ class Actions:
                 now, why = {}, str(exc)
             else:
                 why = f"Prometheus shows no {SIGNAL_ACK} of run {run}"
-            waiting = sorted((r for r in now if now[r] <= before.get(r, 0.0)), key=_rank_order)
+            waiting = sorted((r for r in now if now[r] <= before.get(r, 0.0)), key=rank_order)
             if now and not waiting:
-                data["acknowledged"] = sorted(now, key=_rank_order)
+                data["acknowledged"] = sorted(now, key=rank_order)
                 return Outcome("success", f"{sent}; checkpoint acknowledged by ranks "
                                f"{', '.join(data['acknowledged'])}", data)
             if waiting:

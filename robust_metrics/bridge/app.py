@@ -29,6 +29,7 @@ from robust_metrics.bridge.config import AuthConfig
 from robust_metrics.bridge.openapi import spec
 from robust_metrics.bridge.payload import PayloadError, parse_notification
 from robust_metrics.bridge.service import Bridge
+from robust_metrics.numbers import decimal
 
 __all__ = ["create_app"]
 
@@ -86,9 +87,10 @@ def check_auth(auth: AuthConfig, header: str | None) -> None:
 async def _read_body(request: Request, limit: int) -> bytes:
     length = request.headers.get("content-length")
     if length is not None:
-        if not length.isdigit():
+        declared = decimal(length)
+        if declared is None:
             raise HTTPProblem(400, "bad Content-Length header")
-        if int(length) > limit:
+        if declared > limit:
             raise HTTPProblem(413, f"body of {length} bytes exceeds the limit of {limit}")
     chunks: list[bytes] = []
     size = 0
@@ -146,10 +148,10 @@ def create_app(bridge: Bridge, *, start_engine: bool = True) -> Starlette:
         status = q.get("status")
         if status is not None and status not in STATUSES:
             return _error(400, f"status must be one of {', '.join(STATUSES)}")
-        limit_text = q.get("limit", "100")
-        if not limit_text.isdigit() or not 1 <= int(limit_text) <= 1000:
+        limit = decimal(q.get("limit", "100")) or 0
+        if not 1 <= limit <= 1000:
             return _error(400, "limit must be an integer from 1 to 1000")
-        rows = await run_in_threadpool(bridge.store.list, q.get("run"), status, int(limit_text))
+        rows = await run_in_threadpool(bridge.store.list, q.get("run"), status, limit)
         return SafeJSONResponse({"actions": [i.to_dict(steps) for i, steps in rows]})
 
     def _query(request: Request, allowed: tuple[str, ...]) -> dict[str, str]:
@@ -159,8 +161,7 @@ def create_app(bridge: Bridge, *, start_engine: bool = True) -> Starlette:
         if unknown:
             raise HTTPProblem(400, f"unknown query parameter(s) {', '.join(unknown)} "
                               f"(allowed: {', '.join(allowed)})")
-        limit_text = q.get("limit", "100")
-        if not limit_text.isdigit() or not 1 <= int(limit_text) <= 1000:
+        if not 1 <= (decimal(q.get("limit", "100")) or 0) <= 1000:
             raise HTTPProblem(400, "limit must be an integer from 1 to 1000")
         return dict(q)
 

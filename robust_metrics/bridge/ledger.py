@@ -57,6 +57,7 @@ from robust_metrics.bridge.numerics import NanEvidence, first_report, nan_verdic
 from robust_metrics.bridge.payload import parse_time
 from robust_metrics.bridge.policy import is_hang
 from robust_metrics.bridge.store import ActionStore, Incident, Step
+from robust_metrics.numbers import rank_order
 
 __all__ = ["Entry", "Ledger", "LedgerMetrics", "Progress", "acted_at", "highest_step", "named",
            "outcome_of", "over_eviction_note", "persistent_finding", "progress_after",
@@ -156,10 +157,6 @@ def _split(value: str) -> list[str]:
     return [v.strip() for v in value.split(",") if v.strip()]
 
 
-def _rank_key(rank: str) -> tuple[int, str]:
-    return (int(rank), rank) if rank.isdigit() else (1 << 30, rank)
-
-
 def named(incident: Incident, steps: Sequence[Step]) -> tuple[list[str], list[str]]:
     """(ranks, nodes) an incident names: its labels (`rank`/`ranks`, `node`/`nodes`), the
     suspects of its stack analysis, and the nodes a drain step drained."""
@@ -176,7 +173,7 @@ def named(incident: Incident, steps: Sequence[Step]) -> tuple[list[str], list[st
         if step.action == "drain_node" and step.status == "success":
             nodes.update(str(n) for n in step.data.get("nodes") or [])
     nodes.update(n for n, v in selftest_verdicts(steps).items() if v["verdict"] == "fail")
-    return sorted(ranks, key=_rank_key), sorted(nodes)
+    return sorted(ranks, key=rank_order), sorted(nodes)
 
 
 def selftest_verdicts(steps: Sequence[Step]) -> dict[str, dict[str, Any]]:

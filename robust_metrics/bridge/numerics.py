@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from robust_metrics.numbers import rank_order
+
 __all__ = ["NanEvidence", "NanVerdict", "first_report", "nan_verdict"]
 
 NanVerdict = Literal["persistent", "transient", "recurred_elsewhere"]
@@ -37,7 +39,7 @@ def first_report(steps: dict[str, float]) -> tuple[str, float] | None:
     """(rank, step) of the first non-finite value: the lowest step, then the lowest rank."""
     if not steps:
         return None
-    rank = min(steps, key=lambda r: (steps[r], (int(r), r) if r.isdigit() else (1 << 30, r)))
+    rank = min(steps, key=lambda r: (steps[r], rank_order(r)))
     return rank, steps[rank]
 
 

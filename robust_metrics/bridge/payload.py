@@ -40,7 +40,7 @@ def _time_parts(value: str) -> tuple[datetime, str]:
     if "." in text:  # Python takes at most microseconds: keep the digits apart
         head, _, rest = text.partition(".")
         n = 0
-        while n < len(rest) and rest[n].isdigit():
+        while n < len(rest) and rest[n] in "0123456789":
             n += 1
         digits, text = rest[:n], head + rest[n:]
     parsed = datetime.fromisoformat(text)

@@ -18,6 +18,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from robust_metrics.numbers import decimal
 from robust_metrics.rankfolder.safeio import open_dir, read_regular, write_atomic
 
 __all__ = [
@@ -160,7 +161,7 @@ def parse_identity(data: bytes, pid: int, uid: int | None = None) -> RankIdentit
 def pid_of(name: str) -> int | None:
     """The pid named by an identity file name, or None for any other name."""
     stem = name[:-5] if name.endswith(".json") else ""
-    return int(stem) if stem.isdigit() and 0 < len(stem) <= 10 else None
+    return decimal(stem) if len(stem) <= 10 else None
 
 
 def read_identity(name: str, ranks_fd: int) -> RankIdentity:

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from robust_metrics.numbers import decimal
 from robust_metrics.rankfolder.safeio import open_regular
 
 __all__ = [
@@ -79,8 +80,8 @@ def parse_name(directory: str, name: str) -> DbFile | None:
     if not name.endswith(".db"):
         return None
     parts = name[:-3].split("_")
-    typ = parts[0]
-    if typ not in _TYPES or not parts[-1].isdigit():
+    typ, pid = parts[0], decimal(parts[-1])
+    if typ not in _TYPES or pid is None:
         return None
     if typ == "gauge":
         if len(parts) != 3:
@@ -90,7 +91,7 @@ def parse_name(directory: str, name: str) -> DbFile | None:
         mode = ""
     else:
         return None
-    return DbFile(os.path.join(directory, name), typ, mode, int(parts[-1]))
+    return DbFile(os.path.join(directory, name), typ, mode, pid)
 
 
 def file_name(prefix: str, pid: int) -> str:

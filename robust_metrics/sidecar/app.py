@@ -32,6 +32,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
+from robust_metrics.numbers import rank_order
 from robust_metrics.rankfolder import control
 from robust_metrics.rankfolder.identity import RankIdentity
 from robust_metrics.rankfolder.proof import prove_rank
@@ -162,7 +163,7 @@ def create_app(config: SidecarConfig, registry: ScrapeRegistry, folder: RankFold
                 native=native, locals_=locals_, timeout=min(timeout or config.stacks_timeout, 60.0))
         finally:
             stack_slot.release()
-        out.sort(key=lambda e: (e["run"], _rank_key(e["rank"])))
+        out.sort(key=lambda e: (e["run"], rank_order(e["rank"])))
         return JSONResponse({"node": config.node, "ranks": out})
 
     async def checkpoint(request: Request) -> Response:
@@ -190,7 +191,7 @@ def create_app(config: SidecarConfig, registry: ScrapeRegistry, folder: RankFold
             return _error(400, str(exc))
         snapshot = await run_in_threadpool(folder.snapshot)
         ranks = sorted(((i.run, i.rank, pid) for pid, i in snapshot.identities.items()
-                        if snapshot.alive.get(pid)), key=lambda r: (r[0], _rank_key(r[1])))
+                        if snapshot.alive.get(pid)), key=lambda r: (r[0], rank_order(r[1])))
         try:
             req = await run_in_threadpool(control.write_checkpoint_request, config.directory,
                                           None, at_step)
@@ -269,5 +270,3 @@ def _dump_proven(dump_stacks: Callable[..., list[dict[str, Any]]], directory: st
     return out
 
 
-def _rank_key(rank: str) -> tuple[int, str]:
-    return (int(rank), "") if rank.isdigit() else (1 << 62, rank)

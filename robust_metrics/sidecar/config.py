@@ -12,6 +12,7 @@ import socket
 from dataclasses import dataclass, field
 
 from robust_metrics.configuration import ConfigError
+from robust_metrics.numbers import decimal
 
 __all__ = ["DEFAULT_LISTEN", "DEFAULT_PORT", "ConfigError", "SidecarConfig", "parse_listen"]
 
@@ -81,5 +82,5 @@ class SidecarConfig:
                               f"{', '.join(DTYPES)}")
         parse_overrides(self.gpu_peak_flops)
         _, sep, port = self.nccl_ras_addr.rpartition(":")
-        if not sep or not port.isdigit():
+        if not sep or decimal(port) is None:
             raise ConfigError(f"NCCL RAS address {self.nccl_ras_addr!r}: expected HOST:PORT")

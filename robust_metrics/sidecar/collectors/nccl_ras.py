@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 
 from robust_metrics import schema
+from robust_metrics.numbers import decimal
 from robust_metrics.sidecar.collector import register_collector
 from robust_metrics.sidecar.config import SidecarConfig
 from robust_metrics.sidecar.rankdir import RankFolder
@@ -72,8 +73,8 @@ def parse_text_report(text: str) -> RasReport:
             fields = line.split()
             if not fields:
                 in_table = False
-            elif fields[0].isdigit() and len(fields) >= 2 and fields[1].isdigit():
-                communicators += int(fields[1])
+            elif len(fields) >= 2 and decimal(fields[0]) is not None:
+                communicators += decimal(fields[1]) or 0
     if not seen_table and "No communicator data collected" not in text:
         raise RasError("report has no communicators table")
     comm_missing = sum(int(n) for n in re.findall(
