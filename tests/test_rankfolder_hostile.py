@@ -283,6 +283,30 @@ def test_a_huge_sparse_file_does_not_blow_the_sidecars_memory(tmp_path: Path) ->
     assert grown_mib < 16 and corrupt == 1, done.stdout
 
 
+def test_an_identity_whose_times_no_float_holds_is_skipped_not_a_crash(tmp_path: Path) -> None:
+    """The job writes its identity: a start of 10**400 made float() raise OverflowError out of
+    the sidecar's folder scan; an infinite or NaN start was taken as a time; a crash time of
+    10**400 raised too. A bad start skips the identity (as text there does), a bad crash time is
+    ignored, and the other ranks are read."""
+    ranks = tmp_path / "ranks"
+    ranks.mkdir()
+    huge = "1" + "0" * 400
+    bodies = {5001: f'{{"run": "r", "rank": 1, "started": {huge}}}',
+              5002: '{"run": "r", "rank": 2, "started": Infinity}',
+              5003: '{"run": "r", "rank": 3, "started": NaN}',
+              5004: f'{{"run": "r", "rank": 4, "started": 5, "crashed": {huge}}}',
+              5005: '{"run": "r", "rank": 5, "started": 5}'}
+    for pid, body in bodies.items():
+        (ranks / f"{pid}.json").write_text(body)
+    folder = RankFolder(str(tmp_path), alive=lambda pid, started: True, cache_seconds=0)
+    try:
+        identities = folder.snapshot().identities
+    finally:
+        folder.close()
+    assert sorted(identities) == [5004, 5005]
+    assert identities[5004].started == 5.0 and identities[5004].crashed is None
+
+
 def test_one_scrape_reads_a_bounded_number_of_bytes(tmp_path: Path) -> None:
     for pid in (4010, 4011, 4012):
         _rank_file(tmp_path / f"counter_{pid}.db", run=f"run{pid}")

@@ -12,6 +12,7 @@ Values are strings, empty when unknown, as they are on the `robust_rank_info` la
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from collections.abc import Iterable, Mapping
@@ -102,13 +103,26 @@ def _text(value: Any) -> str:
     return str(value)
 
 
+def _seconds(value: Any) -> float | None:
+    """A JSON number as finite seconds, else None: a bool, text, an infinity, NaN, or an integer
+    no float holds (float() of it raises OverflowError, which no reader of the file expects)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        seconds = float(value)
+    except OverflowError:
+        return None
+    return seconds if math.isfinite(seconds) else None
+
+
 def _timestamp(record: Mapping[str, Any], key: str) -> float | None:
     value = record.get(key)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{key}={value!r} is not a time stamp")
-    return float(value)
+    seconds = _seconds(value)
+    if seconds is None:
+        raise ValueError(f"{key}={str(value)[:40]!r} is not a time stamp")
+    return seconds
 
 
 MAX_FLUSH_INTERVAL = 3600.0
@@ -126,10 +140,10 @@ def _flush_interval(record: Mapping[str, Any]) -> float | None:
 def _crashed(record: Mapping[str, Any], started: float | None) -> float | None:
     """When the rank says an exception ended it, or None when absent or not a time after its
     start (the file is the job's: a value that is no such time is ignored, not trusted)."""
-    value = record.get("crashed")
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+    value = _seconds(record.get("crashed"))
+    if value is None:
         return None
-    return float(value) if started is None or value >= started else None
+    return value if started is None or value >= started else None
 
 
 def parse_identity(data: bytes, pid: int, uid: int | None = None) -> RankIdentity:
