@@ -125,6 +125,18 @@ def test_stacks_bad_files_are_one_line_errors(tmp_path: Path) -> None:
         assert_clear_error(*run_cli("stacks", *args))
 
 
+def test_stacks_reads_a_folder_whose_ranks_are_named_with_any_label(tmp_path: Path) -> None:
+    """A job writes its identity: a rank label that is no rank number ('²' passed
+    str.isdigit() and int() refused it, 'abc', 5,000 digits) made `stacks --metrics-dir` stop
+    with int()'s error instead of reporting the folder."""
+    ranks = tmp_path / "ranks"
+    ranks.mkdir()
+    for pid, rank in ((4001, "\u00b2"), (4002, "abc"), (4003, "9" * 5000)):
+        (ranks / f"{pid}.json").write_text(json.dumps({"run": "r", "rank": rank}))
+    code, err = run_cli("stacks", "--metrics-dir", str(tmp_path))
+    assert code == 3 and "Traceback" not in err and "int()" not in err, err
+
+
 # -- fuzzing the parts that read what other machines sent -----------------------------------
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),

@@ -23,6 +23,7 @@ from typing import Any
 
 from robust_metrics.analysis import stacks_sources as sources
 from robust_metrics.analysis.stacks import analyse
+from robust_metrics.numbers import decimal
 from robust_metrics.rankfolder.identity import rank_info as identity_rank_info
 
 __all__ = ["EXIT_BAD_INPUT", "EXIT_NOTHING", "EXIT_SUSPECTS", "configure", "format_report", "run"]
@@ -199,7 +200,8 @@ def _plan(args: argparse.Namespace) -> tuple[Any, dict | None, str | None]:
         if not identities:
             raise ValueError(f"no rank of run {args.run!r} in {args.metrics_dir}/ranks"
                              if args.run else f"no rank identity in {args.metrics_dir}/ranks")
-        rank_info = {int(i["rank"]): i for i in identities.values() if i.get("rank") is not None}
+        rank_info = {rank: i for i in identities.values()
+                     if (rank := decimal(str(i.get("rank")))) is not None}
         if len({i.get("run") for i in identities.values()}) > 1 and not args.run:
             runs = sorted({str(i.get("run")) for i in identities.values()})
             raise ValueError(f"ranks of several runs ({', '.join(runs)}); pick one with --run")
@@ -236,9 +238,9 @@ def _latest_per_rank(rank_info: dict[int, dict], identities: dict[int, dict]) ->
     """A restarted rank leaves its old identity file behind: keep the newest per rank."""
     best: dict[int, dict] = {}
     for ident in identities.values():
-        if ident.get("rank") is None:
+        rank = decimal(str(ident.get("rank")))
+        if rank is None:  # a label the job chose: it names, it is no rank number
             continue
-        rank = int(ident["rank"])
         if rank not in best or float(ident.get("started") or 0) > float(
                 best[rank].get("started") or 0):
             best[rank] = ident
