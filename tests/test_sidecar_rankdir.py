@@ -117,6 +117,26 @@ def test_restarted_rank_leaves_no_stale_series_and_no_double_count(tmp_path: Pat
     again.close()
 
 
+@pytest.mark.parametrize("body", ['{"values": [["counter", "k", 1%s]]}' % ("0" * 400),
+                                  '{"merged": {"k": 1%s}}' % ("0" * 400),
+                                  '{"values": [[1, 2]]}', '{"runs": []}', '[]'])
+def test_an_archive_no_reader_can_use_is_started_anew(tmp_path: Path, live: set[int],
+                                                      body: str) -> None:
+    """The archive lies in the ranks' folder: a value no float holds raised OverflowError out
+    of the sidecar's start; it is logged and a new archive begun, like any unreadable one."""
+    (tmp_path / "archive").mkdir()
+    (tmp_path / "archive" / "archive.json").write_text(body)
+    folder = make_folder(tmp_path, live)
+    try:
+        rank = FakeRank(tmp_path, 400)
+        live.add(400)
+        rank.step(3)
+        assert total(folder, "robust_steps_total") == 3
+        rank.close()
+    finally:
+        folder.close()
+
+
 def test_one_scrape_sees_one_state_of_a_restarting_rank(tmp_path: Path, live: set[int]) -> None:
     """A scrape's collectors each ask for the folder's state; a rank restarted between two of
     them must not show its new process's steps beside its dead predecessor's liveness."""

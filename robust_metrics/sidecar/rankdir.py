@@ -221,7 +221,7 @@ class _Archive:
             self.merged = {str(k): float(v) for k, v in data.get("merged", {}).items()}
             self.run_seen = {str(k): float(v) for k, v in data.get("runs", {}).items()}
             self._loaded_mtime = mtime
-        except (OSError, ValueError, TypeError, AttributeError) as exc:
+        except (OSError, ValueError, TypeError, AttributeError, OverflowError) as exc:
             log.error("cannot read the archive %s (%s); starting a new one", self.path, exc)
             self._loaded_mtime = mtime
 
