@@ -19,6 +19,7 @@ evaluation beside the evaluations and scrapes that ran with it and the CPU Prome
 from __future__ import annotations
 
 import argparse
+import bisect
 import dataclasses
 import datetime
 import itertools
@@ -401,12 +402,13 @@ class Timeline:
                                          target["lastScrapeDuration"])
 
     def cores_during(self, span: Span) -> float | None:
-        """Cores Prometheus used over the span (from the CPU samples around it)."""
-        before = [s for s in self.cpu if s[0] <= span.start]
-        after = [s for s in self.cpu if s[0] >= span.end]
-        if not before or not after:
+        """Cores Prometheus used over the span (from the CPU samples around it, which the
+        sampler appends in time order)."""
+        first = bisect.bisect_right(self.cpu, span.start, key=lambda s: s[0]) - 1
+        last = bisect.bisect_left(self.cpu, span.end, key=lambda s: s[0])
+        if first < 0 or last >= len(self.cpu) or first == last:
             return None
-        (t0, c0), (t1, c1) = before[-1], after[0]
+        (t0, c0), (t1, c1) = self.cpu[first], self.cpu[last]
         return (c1 - c0) / (t1 - t0)
 
     def beside(self, span: Span) -> tuple[float, float]:
@@ -429,15 +431,15 @@ class Timeline:
                          "prometheus_cores": _round(self.cores_during(span))})
         slowed = [r for r in rows if r["x_alone"] and r["x_alone"] > 2]
         rest = [r for r in rows if r["x_alone"] and r["x_alone"] <= 2]
+        offsets = self.offsets(interval)
         return {"evaluations": len(rows), "scrapes": len(self.scrapes),
                 "slowed_over_2x": _means(slowed), "the_rest": _means(rest),
                 "x_alone_by_groups_beside": _by_groups_beside(rows),
                 "over_1s": sorted((r for r in rows if r["seconds"] > 1),
                                   key=lambda r: -r["seconds"]),
                 "cores_by_second_of_round": self.round_profile(interval),
-                "alone_s_by_second_of_round": demand_by_second(self.offsets(interval), alone,
-                                                               interval),
-                "group_offsets_s": self.offsets(interval)}
+                "alone_s_by_second_of_round": demand_by_second(offsets, alone, interval),
+                "group_offsets_s": offsets}
 
     def round_profile(self, interval: float) -> list[float]:
         """Cores Prometheus used in each second of the evaluation interval, over every round:

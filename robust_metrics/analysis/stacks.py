@@ -168,11 +168,11 @@ def _int_or_none(value: Any) -> int | None:
     fraction, an infinity or NaN, text that is not a whole number)."""
     if value is None or value == "" or isinstance(value, bool):
         return None
-    if isinstance(value, float) and not value.is_integer():
+    if isinstance(value, float) and not value.is_integer():  # infinities and NaN included
         return None
     try:
         return int(value)
-    except (TypeError, ValueError, OverflowError):
+    except (TypeError, ValueError):
         return None
 
 

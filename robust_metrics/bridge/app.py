@@ -15,7 +15,7 @@ import binascii
 import hmac
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -84,6 +84,14 @@ def check_auth(auth: AuthConfig, header: str | None) -> None:
     raise HTTPProblem(401, "invalid credentials", challenge)
 
 
+def _limit(query: Mapping[str, str]) -> int:
+    """The rows a listing asks for: 100 unless `limit` says 1 to 1000."""
+    limit = decimal(query.get("limit", "100")) or 0
+    if not 1 <= limit <= 1000:
+        raise HTTPProblem(400, "limit must be an integer from 1 to 1000")
+    return limit
+
+
 async def _read_body(request: Request, limit: int) -> bytes:
     length = request.headers.get("content-length")
     if length is not None:
@@ -137,20 +145,13 @@ def create_app(bridge: Bridge, *, start_engine: bool = True) -> Starlette:
 
     async def actions(request: Request) -> Response:
         try:
-            check_auth(config.auth, request.headers.get("authorization"))
+            q = _query(request, ("run", "status", "limit"))
+            status = q.get("status")
+            if status is not None and status not in STATUSES:
+                raise HTTPProblem(400, f"status must be one of {', '.join(STATUSES)}")
+            limit = _limit(q)
         except HTTPProblem as problem:
             return _error(problem.status, problem.message, problem.headers)
-        q = request.query_params
-        unknown = sorted(set(q) - {"run", "status", "limit"})
-        if unknown:
-            return _error(400, f"unknown query parameter(s) {', '.join(unknown)} "
-                          "(allowed: run, status, limit)")
-        status = q.get("status")
-        if status is not None and status not in STATUSES:
-            return _error(400, f"status must be one of {', '.join(STATUSES)}")
-        limit = decimal(q.get("limit", "100")) or 0
-        if not 1 <= limit <= 1000:
-            return _error(400, "limit must be an integer from 1 to 1000")
         rows = await run_in_threadpool(bridge.store.list, q.get("run"), status, limit)
         return SafeJSONResponse({"actions": [i.to_dict(steps) for i, steps in rows]})
 
@@ -161,17 +162,16 @@ def create_app(bridge: Bridge, *, start_engine: bool = True) -> Starlette:
         if unknown:
             raise HTTPProblem(400, f"unknown query parameter(s) {', '.join(unknown)} "
                               f"(allowed: {', '.join(allowed)})")
-        if not 1 <= (decimal(q.get("limit", "100")) or 0) <= 1000:
-            raise HTTPProblem(400, "limit must be an integer from 1 to 1000")
         return dict(q)
 
     async def incidents(request: Request) -> Response:
         try:
             q = _query(request, ("run", "alertname", "limit"))
+            limit = _limit(q)
         except HTTPProblem as problem:
             return _error(problem.status, problem.message, problem.headers)
         rows = await run_in_threadpool(bridge.ledger.entries, q.get("run"), q.get("alertname"),
-                                       int(q.get("limit", "100")))
+                                       limit)
         return SafeJSONResponse({"incidents": [e.to_dict() for e in rows]})
 
     async def nodes(request: Request) -> Response:

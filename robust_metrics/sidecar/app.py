@@ -268,5 +268,3 @@ def _dump_proven(dump_stacks: Callable[..., list[dict[str, Any]]], directory: st
         entry.update(dumps.get(pid) or {"pid": pid, "threads": [], "error": refused[pid]})
         out.append(entry)
     return out
-
-
