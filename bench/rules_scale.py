@@ -2,7 +2,7 @@
 vmalert, scraping a synthetic 16,384-rank job.
 
     .venv/bin/python bench/rules_scale.py [--ranks 16384] [--duration 180] [--interval 15s]
-        [--engine prometheus|victoriametrics|both] [--shards 2]
+        [--engine prometheus|victoriametrics|both] [--shards 2] [--cpu-profile FILE]
 
 A synthetic exporter serves, for every rank, the series the hook publishes in-process (every rank
 metric of the schema, one op/group for the collective metrics, three phases) plus the per-rank
@@ -27,12 +27,15 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -248,7 +251,8 @@ def measure_prometheus(args: argparse.Namespace, exporter: Exporter, rule_file: 
         machine = psutil.cpu_times()
         t0 = time.monotonic()
         deadline = time.monotonic() + args.duration
-        with timeline:
+        profiler = CpuProfile(prom.url, args.cpu_profile, min(60.0, args.duration))
+        with timeline, profiler:
             while time.monotonic() < deadline:
                 time.sleep(1)
                 for group in prom.api("rules")["groups"]:
@@ -339,7 +343,77 @@ def measure_prometheus(args: argparse.Namespace, exporter: Exporter, rule_file: 
         "groups": _group_table(durations),
         "timeline": timeline.report({name: min(v) for name, v in quiet.items()},
                                     rules.parse_duration(args.interval) / 1000),
+        "cpu_profile": profiler.report(),
     }
+
+
+# Where Prometheus' CPU goes, by the frames whose time includes their callees (pprof's "cum"):
+# the rule groups' evaluations, the part of them spent finding and sorting the selected series,
+# the garbage collector's background marking and the marking it makes allocating goroutines do,
+# and the scrapes with their ingestion.
+PROFILE_FRAMES = {
+    "rule_groups": "rules.(*Group).Eval",
+    "rule_series_selection": "tsdb.(*headIndexReader).SortedPostings",
+    "gc_background_marking": "runtime.gcBgMarkWorker",
+    "gc_assists": "runtime.gcAssistAlloc",
+    "scrapes": "scrape.(*scrapeLoop).scrapeAndReport",
+}
+
+
+class CpuProfile:
+    """A CPU profile of Prometheus (its /debug/pprof/profile) over the first seconds of the
+    measured window, saved to a file; with Go's pprof on the PATH, the share of the CPU time in
+    each of PROFILE_FRAMES."""
+
+    def __init__(self, url: str, path: Path | None, seconds: float) -> None:
+        self.url, self.path, self.seconds = url, path, max(1, int(seconds))
+        self.error: str | None = None
+        self._thread = threading.Thread(target=self._take, daemon=True)
+
+    def __enter__(self) -> CpuProfile:
+        if self.path:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.path:
+            self._thread.join()
+
+    def _take(self) -> None:
+        assert self.path
+        try:
+            with urllib.request.urlopen(f"{self.url}/debug/pprof/profile?seconds={self.seconds}",
+                                        timeout=self.seconds + 30) as response:
+                self.path.write_bytes(response.read())
+        except OSError as exc:
+            self.error = str(exc)
+
+    def report(self) -> dict[str, Any] | None:
+        if not self.path:
+            return None
+        if self.error or not self.path.exists():
+            return {"path": str(self.path), "error": self.error or "no profile"}
+        out: dict[str, Any] = {"path": str(self.path), "seconds": self.seconds}
+        go = shutil.which("go")
+        if go:
+            top = subprocess.run([go, "tool", "pprof", "-top", "-cum", "-nodefraction=0",
+                                  "-nodecount=100000", str(self.path)],
+                                 capture_output=True, text=True, timeout=120, check=False)
+            out["share_of_cpu"] = profile_shares(top.stdout)
+        return out
+
+
+def profile_shares(top: str) -> dict[str, float]:
+    """The cum% of each of PROFILE_FRAMES in the text of `go tool pprof -top -cum`."""
+    shares: dict[str, float] = {}
+    for line in top.splitlines():
+        fields = line.split()
+        if len(fields) < 6 or not fields[4].endswith("%"):
+            continue
+        for key, frame in PROFILE_FRAMES.items():
+            if key not in shares and fields[5].endswith(frame):
+                shares[key] = round(float(fields[4].rstrip("%")) / 100, 3)
+    return shares
 
 
 @dataclasses.dataclass(frozen=True)
@@ -651,6 +725,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--flops", action="store_true",
                         help="ranks count model FLOPs (watch(flops_per_step=)) and GPUs have a "
                              "peak: the MFU rules get input and the per-rank cost of MFU shows")
+    parser.add_argument("--cpu-profile", type=Path, metavar="FILE",
+                        help="save a CPU profile of Prometheus over the first 60 s of the "
+                             "measured window (pprof format); with Go on the PATH the result "
+                             "gives the share of rule evaluation, series selection, garbage "
+                             "collection and scrapes")
     args = parser.parse_args(argv)
     args.groups = rule_shards.shard_by_rank(rules.load_groups(), args.rank_shards)
 
