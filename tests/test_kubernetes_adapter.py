@@ -201,6 +201,19 @@ def test_signal_sets_the_checkpoint_annotation_on_every_pod_once_per_key(
     assert k.signal("llama-7b", signal.SIGUSR1).data["request_id"] > newer.data["request_id"]
 
 
+def test_a_pod_annotation_that_is_no_request_id_is_not_held(tmp_path: Path,
+                                                            api: FakeKubeAPI) -> None:
+    """The pods' annotations are the job's to change: a value int() refuses (over 4,300
+    digits) or no id could be (a '²') is ignored, and the new request is still newer than the
+    valid id another pod holds."""
+    api.add_job("PyTorchJob", "j", pods=3)
+    held = time.time_ns() // 1_000_000 + 10**9
+    for i, raw in enumerate(("9" * 5000, "²", str(held))):
+        api.pod_annotations[(NS, f"j-worker-{i}")] = {CHECKPOINT_ANNOTATION: raw}
+    result = adapter(tmp_path, api).signal("j", signal.SIGUSR1, key="inc-1#0")
+    assert result.ok and result.data["request_id"] == held + 1
+
+
 def test_signal_skips_a_pod_that_is_gone_and_fails_when_all_are(tmp_path: Path,
                                                                 api: FakeKubeAPI) -> None:
     api.add_job("JobSet", "gpt", pods=2)

@@ -81,7 +81,8 @@ def test_malformed_files_raise_valueerror(data: bytes) -> None:
         parse_downward_annotations(data)
 
 
-@pytest.mark.parametrize("raw", ["", "abc", "-5", "0", "1.5", "١٢٣", str(2**60), " 12"])
+@pytest.mark.parametrize("raw", ["", "abc", "-5", "0", "1.5", "١٢٣", str(2**60), " 12",
+                                 "9" * 5000])  # int() refuses over 4,300 digits with its own error
 def test_a_request_id_that_is_no_id_is_refused(raw: str) -> None:
     with pytest.raises(ValueError, match="is not a request id"):
         annotation_request_id({CHECKPOINT_ANNOTATION: raw})

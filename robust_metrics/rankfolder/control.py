@@ -37,6 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from robust_metrics.numbers import decimal
 from robust_metrics.rankfolder.safeio import open_dir, read_regular, write_atomic
 
 __all__ = ["CHECKPOINT_ANNOTATION", "CHECKPOINT_KEY_ANNOTATION", "CheckpointRequest",
@@ -187,10 +188,11 @@ def annotation_request_id(annotations: dict[str, str]) -> int | None:
     raw = annotations.get(CHECKPOINT_ANNOTATION)
     if raw is None:
         return None
-    if not raw.isascii() or not raw.isdigit() or not 0 < int(raw) < MAX_REQUEST_ID:
+    request_id = decimal(raw)
+    if request_id is None or not 0 < request_id < MAX_REQUEST_ID:
         raise ValueError(f"{CHECKPOINT_ANNOTATION}={raw[:40]!r} is not a request id "
                          "(a positive integer: milliseconds since the epoch)")
-    return int(raw)
+    return request_id
 
 
 def read_annotation_request(path: str) -> CheckpointRequest | None:

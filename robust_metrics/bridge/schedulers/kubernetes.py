@@ -62,6 +62,7 @@ from typing import Any, TypeVar
 
 from robust_metrics.bridge.schedulers.base import ActionResult, SchedulerError, check_keys, register
 from robust_metrics.configuration import ConfigError
+from robust_metrics.numbers import decimal
 from robust_metrics.rankfolder.control import (
     CHECKPOINT_ANNOTATION,
     CHECKPOINT_KEY_ANNOTATION,
@@ -394,12 +395,12 @@ def _request_id(pods: Iterable[Mapping[str, str]], key: str | None) -> int:
     id on the pods so the hook, which takes only newer ids, cannot mistake it for an old one."""
     held = []
     for held_by_pod in pods:
-        raw = held_by_pod.get(CHECKPOINT_ANNOTATION, "")
-        if raw.isascii() and raw.isdigit():
+        request_id = decimal(held_by_pod.get(CHECKPOINT_ANNOTATION, ""))
+        if request_id is not None:
             if key is not None and held_by_pod.get(CHECKPOINT_KEY_ANNOTATION) == key[
                     :_MESSAGE_MAX]:
-                return int(raw)
-            held.append(int(raw))
+                return request_id
+            held.append(request_id)
     return max([new_request_id(), *(i + 1 for i in held)])
 
 
