@@ -3,6 +3,7 @@ vmalert, scraping a synthetic 16,384-rank job.
 
     .venv/bin/python bench/rules_scale.py [--ranks 16384] [--duration 180] [--interval 15s]
         [--engine prometheus|victoriametrics|both] [--shards 2] [--cpu-profile FILE]
+        [--rule-file PATH]
 
 A synthetic exporter serves, for every rank, the series the hook publishes in-process (every rank
 metric of the schema, one op/group for the collective metrics, three phases) plus the per-rank
@@ -14,12 +15,19 @@ group's evaluation time (`evaluationTime` of /api/v1/rules, the value of
 `prometheus_rule_group_last_duration_seconds`), series per rank, and Prometheus' memory; then
 each group's cost alone (a quiet replay of its expressions), and a timeline that sets every
 evaluation beside the evaluations and scrapes that ran with it and the CPU Prometheus used.
+
+Prometheus 2.42 starts each group at a fixed offset in the interval, hashed from the group's name
+and the rule file's path, so the path decides which groups evaluate side by side. By default the
+rules go to a new temporary path each run (a new placement each time); `--rule-file PATH` writes
+them where a deployment loads them from, so that the run measures that deployment's placement and
+repeats it.
 """
 
 from __future__ import annotations
 
 import argparse
 import bisect
+import contextlib
 import dataclasses
 import datetime
 import itertools
@@ -730,15 +738,27 @@ def main(argv: list[str] | None = None) -> int:
                              "measured window (pprof format); with Go on the PATH the result "
                              "gives the share of rule evaluation, series selection, garbage "
                              "collection and scrapes")
+    parser.add_argument("--rule-file", type=Path, metavar="PATH",
+                        help="write the rules to PATH (which must not exist; removed at the end) "
+                             "instead of a new temporary path: Prometheus places each group in "
+                             "the interval by a hash of its name and this path, so a fixed path "
+                             "repeats a deployment's placement")
     args = parser.parse_args(argv)
+    if args.rule_file is not None and (args.rule_file.exists() or args.rule_file.is_symlink()):
+        parser.error(f"--rule-file {args.rule_file} exists; give a path the bench may create")
     args.groups = rule_shards.shard_by_rank(rules.load_groups(), args.rank_shards)
 
-    with tempfile.TemporaryDirectory() as tmp, Exporter(args.ranks, args.per_target, args.flops,
-                                                        args.gpu_series) as exporter:
+    with contextlib.ExitStack() as stack:
+        tmp = stack.enter_context(tempfile.TemporaryDirectory())
+        exporter = stack.enter_context(
+            Exporter(args.ranks, args.per_target, args.flops, args.gpu_series))
         print(f"exporter: {args.ranks} ranks, {exporter.series} series "
               f"({exporter.series / args.ranks:.1f} per rank), {len(exporter.templates)} targets",
               flush=True)
-        rule_file = Path(tmp) / "rules.yml"
+        rule_file = (args.rule_file or Path(tmp).resolve() / "rules.yml").absolute()
+        rule_file.parent.mkdir(parents=True, exist_ok=True)
+        if args.rule_file is not None:
+            stack.callback(rule_file.unlink, missing_ok=True)
         # baseline: the cheapest useful rules over every rank, to express group costs as ratios
         # in the same run (this 2-core VM is shared, so absolute times swing with its load)
         rule_file.write_text(rules.render([*args.groups, BASELINE]))
@@ -747,6 +767,7 @@ def main(argv: list[str] | None = None) -> int:
                   for i in range(len(exporter.templates))]
         result: dict[str, object] = {"ranks": args.ranks, "interval": args.interval,
                                      "rank_shards": args.rank_shards,
+                                     "rule_file": str(rule_file),
                                      "scraped_series_per_rank": exporter.series / args.ranks}
         if args.engine in ("victoriametrics", "both"):
             result["victoriametrics"] = measure_victoriametrics(args, rule_file, scrape, Path(tmp))
