@@ -4,6 +4,7 @@ vmalert, scraping a synthetic 16,384-rank job.
     .venv/bin/python bench/rules_scale.py [--ranks 16384] [--duration 180] [--interval 15s]
         [--engine prometheus|victoriametrics|both] [--shards 2] [--cpu-profile FILE]
         [--rule-file PATH]
+    .venv/bin/python bench/rules_scale.py --score-placements RESULT.json
 
 A synthetic exporter serves, for every rank, the series the hook publishes in-process (every rank
 metric of the schema, one op/group for the collective metrics, three phases) plus the per-rank
@@ -20,7 +21,9 @@ Prometheus 2.42 starts each group at a fixed offset in the interval, hashed from
 and the rule file's path, so the path decides which groups evaluate side by side. By default the
 rules go to a new temporary path each run (a new placement each time); `--rule-file PATH` writes
 them where a deployment loads them from, so that the run measures that deployment's placement and
-repeats it.
+repeats it. `--score-placements RESULT.json` starts nothing: it predicts the placement of the
+groups for candidate paths and names the best, median and worst of them (a model of the round
+with the group costs of an earlier run).
 """
 
 from __future__ import annotations
@@ -38,12 +41,14 @@ import re
 import shutil
 import signal
 import statistics
+import struct
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -708,6 +713,120 @@ def measure_victoriametrics(args: argparse.Namespace, rule_file: Path,
     }
 
 
+# -- placement: where Prometheus 2.42 starts each group, and a model of the round ---------------
+# Each group starts at xxhash64(label set {file=<path>, name=<group>}) mod interval into every
+# interval (each label name and value followed by a 0xff byte). `--score-placements` scores
+# candidate paths with each group's cost alone from an earlier run's quiet replay: groups running
+# at once share the cores equally (processor sharing).
+
+_MASK = (1 << 64) - 1
+_P1, _P2, _P3 = 0x9E3779B185EBCA87, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9
+_P4, _P5 = 0x85EBCA77C2B2AE63, 0x27D4EB2F165667C5
+
+
+def _rotl(x: int, r: int) -> int:
+    return ((x << r) | (x >> (64 - r))) & _MASK
+
+
+def _xxh_lane(acc: int, lane: int) -> int:
+    return (_rotl((acc + lane * _P2) & _MASK, 31) * _P1) & _MASK
+
+
+def xxh64(data: bytes) -> int:
+    """XXH64 with seed 0 (the hash of Prometheus' label sets), in pure Python."""
+    n, i = len(data), 0
+    if n >= 32:
+        v = [(_P1 + _P2) & _MASK, _P2, 0, (-_P1) & _MASK]
+        while i + 32 <= n:
+            v = [_xxh_lane(acc, lane)
+                 for acc, lane in zip(v, struct.unpack_from("<4Q", data, i), strict=True)]
+            i += 32
+        h = (_rotl(v[0], 1) + _rotl(v[1], 7) + _rotl(v[2], 12) + _rotl(v[3], 18)) & _MASK
+        for acc in v:
+            h = ((h ^ _xxh_lane(0, acc)) * _P1 + _P4) & _MASK
+    else:
+        h = _P5
+    h = (h + n) & _MASK
+    while i + 8 <= n:
+        h = (_rotl(h ^ _xxh_lane(0, struct.unpack_from("<Q", data, i)[0]), 27) * _P1 + _P4) & _MASK
+        i += 8
+    if i + 4 <= n:
+        lane = struct.unpack_from("<I", data, i)[0] * _P1 & _MASK
+        h = (_rotl(h ^ lane, 23) * _P2 + _P3) & _MASK
+        i += 4
+    for byte in data[i:]:
+        h = (_rotl(h ^ (byte * _P5 & _MASK), 11) * _P1) & _MASK
+    h = ((h ^ (h >> 33)) * _P2) & _MASK
+    h = ((h ^ (h >> 29)) * _P3) & _MASK
+    return h ^ (h >> 32)
+
+
+def start_offset(group: str, rule_file: str, interval: float) -> float:
+    """Seconds into each interval at which Prometheus 2.42 evaluates `group` of `rule_file`."""
+    key = b"file\xff" + rule_file.encode() + b"\xffname\xff" + group.encode() + b"\xff"
+    return xxh64(key) % round(interval * 1e9) / 1e9
+
+
+def predicted_durations(starts: Sequence[tuple[str, float, float, float]], cores: float,
+                        horizon: float) -> dict[str, float]:
+    """Median evaluation time per group of those starting in the first `horizon` seconds, for
+    groups `(name, offset, interval, cost alone)` sharing `cores` equally while they run."""
+    arrivals = sorted((offset + k * interval, name, cost)
+                      for name, offset, interval, cost in starts if cost > 0
+                      for k in range(int(horizon // interval) + 1)
+                      if offset + k * interval < horizon)
+    running: list[list[Any]] = []  # [work left, start, name]
+    took: dict[str, list[float]] = {}
+    now, i = 0.0, 0
+    while i < len(arrivals) or running:
+        if not running:
+            now, name, cost = arrivals[i]
+            running.append([cost, now, name])
+            i += 1
+            continue
+        rate = min(1.0, cores / len(running))
+        finish = now + min(job[0] for job in running) / rate
+        arrive = arrivals[i][0] if i < len(arrivals) else float("inf")
+        step = min(finish, arrive) - now
+        for job in running:
+            job[0] -= step * rate
+        now += step
+        for job in [job for job in running if job[0] <= 1e-12]:
+            running.remove(job)
+            took.setdefault(job[2], []).append(now - job[1])
+        if arrive <= finish:
+            _, name, cost = arrivals[i]
+            running.append([cost, now, name])
+            i += 1
+    return {name: sorted(times)[len(times) // 2] for name, times in took.items()}
+
+
+def score_placements(result: Path, paths: int, pattern: str, interval: float,
+                     cores: float = 1.0) -> dict[str, Any]:
+    """The share of `paths` candidate rule-file paths whose every group the model puts under 1 s,
+    and the best, median and worst of them, with costs from `result`'s quiet replay."""
+    text = result.read_text()
+    costs = json.loads(text[text.index("{"):])["prometheus"]["quiet_replay_s"]
+    groups = [(g["name"], rules.parse_duration(g["interval"]) / 1000 if "interval" in g
+               else interval) for g in [*rules.load_groups(), BASELINE]]
+    scored = []
+    for k in range(paths):
+        path = pattern.format(k=k)
+        took = predicted_durations([(name, start_offset(name, path, every), every,
+                                     costs.get(name, 0.0)) for name, every in groups],
+                                   cores, 4 * interval)
+        scored.append((max(took.values()), sum(t > 1.0 for t in took.values()), path))
+    scored.sort()
+    report: dict[str, Any] = {
+        "paths": len(scored),
+        "share_with_every_group_under_1s": sum(s[0] <= 1.0 for s in scored) / len(scored)}
+    for label, (slowest, over, path) in (("best", scored[0]), ("median", scored[len(scored) // 2]),
+                                         ("worst", scored[-1])):
+        report[label] = {"path": path, "slowest_group_s": round(slowest, 3),
+                         "groups_over_1s": over}
+    return report
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -743,7 +862,19 @@ def main(argv: list[str] | None = None) -> int:
                              "instead of a new temporary path: Prometheus places each group in "
                              "the interval by a hash of its name and this path, so a fixed path "
                              "repeats a deployment's placement")
+    parser.add_argument("--score-placements", type=Path, metavar="RESULT",
+                        help="start nothing: score 2,000 rule-file paths (--placement-pattern) "
+                             "by a model of four rounds with each group's cost alone from "
+                             "RESULT, an earlier run's output, groups at once sharing one core; "
+                             "print the best, median and worst paths for --rule-file")
+    parser.add_argument("--placement-pattern", metavar="PATTERN",
+                        default="/tmp/robust-metrics-placement/{k}/rules.yml",
+                        help="candidate paths for --score-placements, {k} the candidate's number")
     args = parser.parse_args(argv)
+    if args.score_placements is not None:
+        print(json.dumps(score_placements(args.score_placements, 2000, args.placement_pattern,
+                                          rules.parse_duration(args.interval) / 1000), indent=2))
+        return 0
     if args.rule_file is not None and (args.rule_file.exists() or args.rule_file.is_symlink()):
         parser.error(f"--rule-file {args.rule_file} exists; give a path the bench may create")
     args.groups = rule_shards.shard_by_rank(rules.load_groups(), args.rank_shards)
