@@ -806,7 +806,11 @@ def score_placements(result: Path, paths: int, pattern: str, interval: float,
     """The share of `paths` candidate rule-file paths whose every group the model puts under 1 s,
     and the best, median and worst of them, with costs from `result`'s quiet replay."""
     text = result.read_text()
-    costs = json.loads(text[text.index("{"):])["prometheus"]["quiet_replay_s"]
+    try:
+        costs = json.loads(text[text.index("{"):])["prometheus"]["quiet_replay_s"]
+    except (ValueError, KeyError, TypeError):
+        raise ValueError(f"{result} is no rules_scale.py result with a Prometheus quiet replay "
+                         "(run it with --quiet-replays 1 or more)") from None
     groups = [(g["name"], rules.parse_duration(g["interval"]) / 1000 if "interval" in g
                else interval) for g in [*rules.load_groups(), BASELINE]]
     scored = []
@@ -872,11 +876,26 @@ def main(argv: list[str] | None = None) -> int:
                         help="candidate paths for --score-placements, {k} the candidate's number")
     args = parser.parse_args(argv)
     if args.score_placements is not None:
-        print(json.dumps(score_placements(args.score_placements, 2000, args.placement_pattern,
-                                          rules.parse_duration(args.interval) / 1000), indent=2))
+        try:
+            if args.placement_pattern.format(k=0) == args.placement_pattern.format(k=1):
+                raise ValueError
+        except (ValueError, KeyError, IndexError):
+            parser.error(f"--placement-pattern {args.placement_pattern!r}: give a path with "
+                         "{k}, the candidate's number, and no other {field}")
+        try:
+            report = score_placements(args.score_placements, 2000, args.placement_pattern,
+                                      rules.parse_duration(args.interval) / 1000)
+        except (OSError, ValueError) as exc:
+            parser.error(str(exc))
+        print(json.dumps(report, indent=2))
         return 0
-    if args.rule_file is not None and (args.rule_file.exists() or args.rule_file.is_symlink()):
-        parser.error(f"--rule-file {args.rule_file} exists; give a path the bench may create")
+    if args.rule_file is not None:
+        if args.rule_file.exists() or args.rule_file.is_symlink():
+            parser.error(f"--rule-file {args.rule_file} exists; give a path the bench may create")
+        try:
+            args.rule_file.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            parser.error(f"--rule-file {args.rule_file}: {exc}")
     args.groups = rule_shards.shard_by_rank(rules.load_groups(), args.rank_shards)
 
     with contextlib.ExitStack() as stack:
@@ -887,7 +906,6 @@ def main(argv: list[str] | None = None) -> int:
               f"({exporter.series / args.ranks:.1f} per rank), {len(exporter.templates)} targets",
               flush=True)
         rule_file = (args.rule_file or Path(tmp).resolve() / "rules.yml").absolute()
-        rule_file.parent.mkdir(parents=True, exist_ok=True)
         if args.rule_file is not None:
             stack.callback(rule_file.unlink, missing_ok=True)
         # baseline: the cheapest useful rules over every rank, to express group costs as ratios
