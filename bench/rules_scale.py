@@ -801,18 +801,21 @@ def predicted_durations(starts: Sequence[tuple[str, float, float, float]], cores
     return {name: sorted(times)[len(times) // 2] for name, times in took.items()}
 
 
-def score_placements(result: Path, paths: int, pattern: str, interval: float,
-                     cores: float = 1.0) -> dict[str, Any]:
-    """The share of `paths` candidate rule-file paths whose every group the model puts under 1 s,
-    and the best, median and worst of them, with costs from `result`'s quiet replay."""
+def score_placements(rule_groups: list[dict[str, Any]], result: Path, paths: int, pattern: str,
+                     interval: float, cores: float = 1.0) -> dict[str, Any]:
+    """The share of `paths` candidate rule-file paths whose every group of `rule_groups` the
+    model puts under 1 s, and the best, median and worst of them, with costs from `result`'s
+    quiet replay (its last JSON object: the whole result, after any line printed before it)."""
     text = result.read_text()
-    try:
-        costs = json.loads(text[text.index("{"):])["prometheus"]["quiet_replay_s"]
-    except (ValueError, KeyError, TypeError):
-        raise ValueError(f"{result} is no rules_scale.py result with a Prometheus quiet replay "
-                         "(run it with --quiet-replays 1 or more)") from None
     groups = [(g["name"], rules.parse_duration(g["interval"]) / 1000 if "interval" in g
-               else interval) for g in [*rules.load_groups(), BASELINE]]
+               else interval) for g in rule_groups]
+    try:
+        costs = json.loads(text[text.rindex("\n{\n") + 1:])["prometheus"]["quiet_replay_s"]
+        if not any(costs.get(name) for name, _ in groups):
+            raise ValueError
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise ValueError(f"{result} is no rules_scale.py result with a Prometheus quiet replay "
+                         "of these rules (run it with --quiet-replays 1 or more)") from None
     scored = []
     for k in range(paths):
         path = pattern.format(k=k)
@@ -875,6 +878,7 @@ def main(argv: list[str] | None = None) -> int:
                         default="/tmp/robust-metrics-placement/{k}/rules.yml",
                         help="candidate paths for --score-placements, {k} the candidate's number")
     args = parser.parse_args(argv)
+    args.groups = rule_shards.shard_by_rank(rules.load_groups(), args.rank_shards)
     if args.score_placements is not None:
         try:
             if args.placement_pattern.format(k=0) == args.placement_pattern.format(k=1):
@@ -883,7 +887,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--placement-pattern {args.placement_pattern!r}: give a path with "
                          "{k}, the candidate's number, and no other {field}")
         try:
-            report = score_placements(args.score_placements, 2000, args.placement_pattern,
+            report = score_placements([*args.groups, BASELINE], args.score_placements, 2000,
+                                      args.placement_pattern,
                                       rules.parse_duration(args.interval) / 1000)
         except (OSError, ValueError) as exc:
             parser.error(str(exc))
@@ -896,7 +901,6 @@ def main(argv: list[str] | None = None) -> int:
             args.rule_file.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             parser.error(f"--rule-file {args.rule_file}: {exc}")
-    args.groups = rule_shards.shard_by_rank(rules.load_groups(), args.rank_shards)
 
     with contextlib.ExitStack() as stack:
         tmp = stack.enter_context(tempfile.TemporaryDirectory())
@@ -905,7 +909,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"exporter: {args.ranks} ranks, {exporter.series} series "
               f"({exporter.series / args.ranks:.1f} per rank), {len(exporter.templates)} targets",
               flush=True)
-        rule_file = (args.rule_file or Path(tmp).resolve() / "rules.yml").absolute()
+        # resolved as Prometheus names it (processes.Prometheus): the path its placement hashes
+        rule_file = (args.rule_file or Path(tmp) / "rules.yml").resolve()
         if args.rule_file is not None:
             stack.callback(rule_file.unlink, missing_ok=True)
         # baseline: the cheapest useful rules over every rank, to express group costs as ratios
