@@ -2,27 +2,28 @@
 
     .venv/bin/python bench/straggler_curve.py [--trials 5] [--noise-minutes 60] [--out results.json]
 
-Each trial is a synthetic 8-rank run (robust_metrics/workloads/straggler_series.py: a
-bulk-synchronous step, 0.6 s compute +-10% uniform jitter per rank and step, 0.4 s transfer,
-scraped every 15 s); promtool evaluates the shipped rules (alert_rules/training.yml,
-stragglers.yml and attribution.yml, unscaled: 15 s evaluations, the groups in their files' order)
-over it, with both SlowRank and StragglerSlowdownHigh checked at every evaluation.
+Each trial is a synthetic run of 8 ranks (`--ranks 2,3,8`: of each size in turn;
+robust_metrics/workloads/straggler_series.py: a bulk-synchronous step, 0.6 s compute +-10% uniform
+jitter per rank and step, 0.4 s transfer, scraped every 15 s); promtool evaluates the shipped rules
+(alert_rules/training.yml, stragglers.yml and attribution.yml, unscaled: 15 s evaluations, the
+groups in their files' order) over it, with both SlowRank and StragglerSlowdownHigh checked at
+every evaluation.
 
-Slow-rank trials: rank 3 computes `factor` times longer from minute 5 on (15-minute runs). Time
-to name = first evaluation at which SlowRank fires naming rank 3, minus the change; time to flag =
-first evaluation at which StragglerSlowdownHigh fires with verdict worker, rank 3 and node n3,
-minus the change. A SlowRank firing for another rank, and a StragglerSlowdownHigh firing with
-other labels (another rank, verdict stage or spread) or before the change, count as false alerts.
-S, the job's true slowdown, is computed from the scenario's own counters over the last 5 minutes
-as the rules define it: median step / (mean compute per step + the fastest rank's blocked time).
-Spread trials: ranks 2 and 5 compute 1.25x longer from minute 5; the expected verdict is spread
-(no few ranks explain the slowdown); a firing with another verdict is false, SlowRank naming rank 2
-or 5 is reported, not false. Noise trials run 60 minutes of the healthy job and of contention (one
-rank at a time 1.25x to 2x slower, a different one every minute from minute 2) and count the
-alerts of each (an alert with the same labels at consecutive evaluations counts once); from
-minute 2 on they also give S as the rules define it (about 1: every rank is slow as often as the
-next) and what the contention does cost (the mean step over that of the same seed without it).
-Each trial has its own seed.
+Slow-rank trials: rank 3 (the last rank of a smaller run) computes `factor` times longer from
+minute 5 on (15-minute runs). Time to name = first evaluation at which SlowRank fires naming that
+rank, minus the change; time to flag = first evaluation at which StragglerSlowdownHigh fires with
+verdict worker, that rank and its node, minus the change. A SlowRank firing for another rank, and a
+StragglerSlowdownHigh firing with other labels (another rank, verdict stage or spread) or before
+the change, count as false alerts. S, the job's true slowdown, is computed from the scenario's own
+counters over the last 5 minutes as the rules define it: median step / (mean compute per step + the
+fastest rank's blocked time). Spread trials (runs of 6 ranks or more): ranks 2 and 5 compute 1.25x
+longer from minute 5; the expected verdict is spread (no few ranks explain the slowdown); a firing
+with another verdict is false, SlowRank naming rank 2 or 5 is reported, not false. Noise trials run
+60 minutes of the healthy job and of contention (one rank at a time 1.25x to 2x slower, a different
+one every minute from minute 2) and count the alerts of each (an alert with the same labels at
+consecutive evaluations counts once); from minute 2 on they also give S as the rules define it
+(about 1: every rank is slow as often as the next) and what the contention does cost (the mean step
+over that of the same seed without it). Each trial has its own seed.
 
 What this does not measure: a live Prometheus (one scrape and one evaluation of delay more, up to
 30 s), real ranks, time-scaled rules (bench/detection_matrix.py runs those on gloo jobs).
@@ -151,21 +152,27 @@ def _false(fired: list[Firing], right: Any) -> list[str]:
                    if f.alert == SLOWDOWN and (f.at < CHANGE_S or not right(f))})
 
 
-def slow_rank_trial(factor: float, seed: int) -> dict[str, Any]:
-    """Rank 3 `factor`x slower from minute 5."""
-    scenario = Scenario(ranks=8, minutes=MINUTES, slow={RANK: (factor, CHANGE_S)}, seed=seed)
+def slow_rank(ranks: int) -> int:
+    """The rank made slow in a run of `ranks`: rank 3, or the last of a smaller run."""
+    return min(RANK, ranks - 1)
+
+
+def slow_rank_trial(factor: float, seed: int, ranks: int = 8) -> dict[str, Any]:
+    """Rank 3 (or the last) `factor`x slower from minute 5."""
+    slow = slow_rank(ranks)
+    scenario = Scenario(ranks=ranks, minutes=MINUTES, slow={slow: (factor, CHANGE_S)}, seed=seed)
     fired = firings(scenario)
-    named = [f.at for f in fired if f.alert == SLOW_RANK and f.get("rank") == str(RANK)]
+    named = [f.at for f in fired if f.alert == SLOW_RANK and f.get("rank") == str(slow)]
 
     def worker(f: Firing) -> bool:
-        return (f.get("verdict"), f.get("rank"), f.get("node")) == ("worker", str(RANK),
-                                                                     f"n{RANK}")
+        return (f.get("verdict"), f.get("rank"), f.get("node")) == ("worker", str(slow),
+                                                                     f"n{slow}")
 
-    return {"kind": "slow rank", "factor": factor, "seed": seed,
+    return {"kind": "slow rank", "ranks": ranks, "factor": factor, "seed": seed,
             "S": true_slowdown(scenario, MINUTES * 60 - 300, MINUTES * 60),
             "named_s": _first(named),
             "wrong_ranks": sorted({int(f.get("rank") or -1) for f in fired
-                                   if f.alert == SLOW_RANK and f.get("rank") != str(RANK)}),
+                                   if f.alert == SLOW_RANK and f.get("rank") != str(slow)}),
             "flagged_s": _first(f.at for f in fired if f.alert == SLOWDOWN and worker(f)),
             "slowdown_false": _false(fired, worker)}
 
@@ -203,10 +210,10 @@ def episodes(fired: list[Firing], alert: str) -> int:
 
 
 def noise_trial(name: str, contention: tuple[float, float, float] | None, seed: int,
-                minutes: float) -> dict[str, Any]:
-    scenario = Scenario(ranks=8, minutes=minutes, contention=contention, seed=100 + seed)
+                minutes: float, ranks: int = 8) -> dict[str, Any]:
+    scenario = Scenario(ranks=ranks, minutes=minutes, contention=contention, seed=100 + seed)
     fired = firings(scenario)
-    return {"case": name, "seed": seed, "minutes": minutes,
+    return {"case": name, "ranks": ranks, "seed": seed, "minutes": minutes,
             "S": true_slowdown(scenario, CONTENTION_FROM_S, minutes * 60),
             "step_cost": step_cost(scenario, CONTENTION_FROM_S, minutes * 60),
             "alerts": {alert: episodes(fired, alert) for alert in ALERTS},
@@ -258,31 +265,62 @@ NOISE_HEADER = ("case", "S (rules)", "step time / healthy", "hours", "SlowRank a
                 "SSH alerts")
 
 
+def _sizes(text: str) -> tuple[int, ...]:
+    """`2,3,8`: run sizes of 2 to 1,024 ranks."""
+    try:
+        sizes = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of rank counts: {text!r}") from None
+    if not all(2 <= n <= 1024 for n in sizes):
+        raise argparse.ArgumentTypeError(f"rank counts must be 2 to 1024: {text!r}")
+    return sizes
+
+
+def _factors(text: str) -> tuple[float, ...]:
+    """`1.1,1.3`: slowdown factors above 1."""
+    try:
+        factors = tuple(float(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of factors: {text!r}") from None
+    if not all(1 < f < 100 for f in factors):
+        raise argparse.ArgumentTypeError(f"factors must lie between 1 and 100: {text!r}")
+    return factors
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trials", type=int, default=5, help="seeds per case (default 5)")
     parser.add_argument("--noise-minutes", type=float, default=60,
                         help="minutes of each noise run (default 60)")
     parser.add_argument("--out", type=Path, help="write every trial as JSON here")
+    parser.add_argument("--ranks", type=_sizes, default=(8,), metavar="N[,N...]",
+                        help="run sizes, each its own curve and noise cases (default 8; the "
+                             "spread case needs 6 ranks or more)")
+    parser.add_argument("--factors", type=_factors, default=FACTORS, metavar="F[,F...]",
+                        help=f"slow-rank factors (default {','.join(map(str, FACTORS))})")
     args = parser.parse_args()
     results: dict[str, Any] = {"curve": [], "spread": [], "noise": []}
-    rows = []
-    for factor in FACTORS:
-        trials = [slow_rank_trial(factor, seed) for seed in range(args.trials)]
-        results["curve"] += trials
-        rows.append(curve_row(f"rank {RANK} {factor:g}x", trials, "worker, rank 3"))
-        print(f"{rows[-1][0]}: done", file=sys.stderr, flush=True)
-    results["spread"] = [spread_trial(seed) for seed in range(args.trials)]
-    rows.append(curve_row(f"ranks 2, 5 {SPREAD_FACTOR:g}x", results["spread"], "spread"))
-    noise = [("healthy", None)] + [(f"contention {f:g}x", (f, 60.0, CONTENTION_FROM_S))
-                                   for f in CONTENTION]
-    noise_rows = []
-    for name, contention in noise:
-        trials = [noise_trial(name, contention, seed, args.noise_minutes)
-                  for seed in range(args.trials)]
-        results["noise"] += trials
-        noise_rows.append(noise_row(name, trials))
-        print(f"{name}: done", file=sys.stderr, flush=True)
+    rows, noise_rows = [], []
+    for ranks in args.ranks:
+        slow, size = slow_rank(ranks), f"{ranks} ranks: "
+        for factor in args.factors:
+            trials = [slow_rank_trial(factor, seed, ranks) for seed in range(args.trials)]
+            results["curve"] += trials
+            rows.append(curve_row(f"{size}rank {slow} {factor:g}x", trials,
+                                  f"worker, rank {slow}"))
+            print(f"{rows[-1][0]}: done", file=sys.stderr, flush=True)
+        if ranks > max(SPREAD_RANKS):
+            spread = [spread_trial(seed) for seed in range(args.trials)]
+            results["spread"] += spread
+            rows.append(curve_row(f"{size}ranks 2, 5 {SPREAD_FACTOR:g}x", spread, "spread"))
+        noise = [("healthy", None)] + [(f"contention {f:g}x", (f, 60.0, CONTENTION_FROM_S))
+                                       for f in CONTENTION]
+        for name, contention in noise:
+            trials = [noise_trial(name, contention, seed, args.noise_minutes, ranks)
+                      for seed in range(args.trials)]
+            results["noise"] += trials
+            noise_rows.append(noise_row(size + name, trials))
+            print(f"{size}{name}: done", file=sys.stderr, flush=True)
     print(f"\nFrom the change at minute {CHANGE_S / 60:g}, median (range) over the trials that "
           f"found it within {MINUTES - CHANGE_S / 60:g} minutes; SSH = {SLOWDOWN}.")
     print(render_table(CURVE_HEADER, rows))
