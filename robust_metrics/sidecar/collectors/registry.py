@@ -55,6 +55,9 @@ Factory = Callable[[SidecarConfig, RankFiles], Collector]
 
 @dataclass(frozen=True)
 class CollectorInfo:
+    """A registered collector: the name of its flag, whether it is on without one, the flag's
+    help, and the factory the sidecar calls once at start-up for each enabled collector."""
+
     name: str
     default_enabled: bool
     help: str
