@@ -19,7 +19,7 @@ from robust_metrics.rankfolder import (
     read_identities,
     write_identity,
 )
-from robust_metrics.sidecar.rankdir import RankFolder
+from robust_metrics.sidecar.rank_files import RankFiles
 
 
 def test_metric_files_are_prometheus_client_multiprocess_files(tmp_path: Path) -> None:
@@ -59,7 +59,7 @@ def test_identity_is_read_the_same_by_the_sidecar_and_stacks(tmp_path: Path) -> 
                               "node": "n2", "world_size": "8", "dp_rank": "1", "pp_rank": "2",
                               "tp_rank": "0"}
     assert ident.uid == os.geteuid()
-    folder = RankFolder(str(tmp_path))
+    folder = RankFiles(str(tmp_path))
     try:
         assert folder.snapshot().identities == {pid: ident}
     finally:

@@ -30,7 +30,7 @@ from robust_metrics.rankfolder import control, metricfile, write_identity
 from robust_metrics.rankfolder.control import read_checkpoint_request_safely
 from robust_metrics.sidecar.cli import build
 from robust_metrics.sidecar.config import SidecarConfig
-from robust_metrics.sidecar.rankdir import RankFolder
+from robust_metrics.sidecar.rank_files import RankFiles
 from robust_metrics.sidecar.stacks import find_py_spy
 from tests.support import ROOT
 
@@ -182,7 +182,7 @@ def _rank_file(path: Path, value: float = 5.0, run: str = "r") -> None:
     f.close()
 
 
-def _series(folder: RankFolder) -> list[tuple[str, dict[str, str], float]]:
+def _series(folder: RankFiles) -> list[tuple[str, dict[str, str], float]]:
     return [(s.name, s.labels, s.value) for fam in folder.snapshot().families
             for s in fam.samples]
 
@@ -196,7 +196,7 @@ def test_links_out_of_the_folder_are_never_read(tmp_path: Path) -> None:
     folder.mkdir()
     (folder / "counter_4001.db").symlink_to(outside / "counter_4001.db")
     (folder / "ranks").symlink_to(outside)
-    rank_folder = RankFolder(str(folder), alive=lambda pid, started: True)
+    rank_folder = RankFiles(str(folder), alive=lambda pid, started: True)
     try:
         snap = rank_folder.snapshot()
         assert snap.identities == {}
@@ -215,7 +215,7 @@ def test_links_in_the_archive_never_make_the_sidecar_write_outside(tmp_path: Pat
     (folder / "archive" / "archive.json.tmp").symlink_to(target)
     (folder / "archive" / "archive.json").symlink_to(target)
     _rank_file(folder / "counter_4002.db")
-    rank_folder = RankFolder(str(folder), merge_after=0, alive=lambda pid, started: False)
+    rank_folder = RankFiles(str(folder), merge_after=0, alive=lambda pid, started: False)
     try:
         assert [v for n, _, v in _series(rank_folder) if n == schema.STEPS_TOTAL.name] == [5.0]
     finally:
@@ -226,7 +226,7 @@ def test_links_in_the_archive_never_make_the_sidecar_write_outside(tmp_path: Pat
     other.mkdir()
     (other / "archive").symlink_to(outside)
     _rank_file(other / "counter_4003.db")
-    rank_folder = RankFolder(str(other), merge_after=0, alive=lambda pid, started: False)
+    rank_folder = RankFiles(str(other), merge_after=0, alive=lambda pid, started: False)
     try:
         assert not rank_folder.owner
         rank_folder.snapshot()
@@ -260,8 +260,8 @@ def test_fifos_never_block_a_scrape_or_the_event_loop(tmp_path: Path) -> None:
 
 RSS_OF_A_SCRAPE = textwrap.dedent("""
     import resource, sys
-    from robust_metrics.sidecar.rankdir import RankFolder
-    folder = RankFolder(sys.argv[1], alive=lambda pid, started: True)
+    from robust_metrics.sidecar.rank_files import RankFiles
+    folder = RankFiles(sys.argv[1], alive=lambda pid, started: True)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     snap = folder.snapshot()
     after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -298,7 +298,7 @@ def test_an_identity_whose_times_no_float_holds_is_skipped_not_a_crash(tmp_path:
               5005: '{"run": "r", "rank": 5, "started": 5}'}
     for pid, body in bodies.items():
         (ranks / f"{pid}.json").write_text(body)
-    folder = RankFolder(str(tmp_path), alive=lambda pid, started: True, cache_seconds=0)
+    folder = RankFiles(str(tmp_path), alive=lambda pid, started: True, cache_seconds=0)
     try:
         identities = folder.snapshot().identities
     finally:
@@ -310,7 +310,7 @@ def test_an_identity_whose_times_no_float_holds_is_skipped_not_a_crash(tmp_path:
 def test_one_scrape_reads_a_bounded_number_of_bytes(tmp_path: Path) -> None:
     for pid in (4010, 4011, 4012):
         _rank_file(tmp_path / f"counter_{pid}.db", run=f"run{pid}")
-    folder = RankFolder(str(tmp_path), alive=lambda pid, started: True, max_scrape_bytes=1)
+    folder = RankFiles(str(tmp_path), alive=lambda pid, started: True, max_scrape_bytes=1)
     try:
         snap = folder.snapshot()
         assert len({labels["run"] for _, labels, _ in _series(folder)}) == 1
@@ -443,7 +443,7 @@ def test_a_rank_of_another_user_writes_into_the_folder_it_cannot_list() -> None:
     base = Path(tempfile.mkdtemp(prefix="rankfolder-"))  # pytest's tmp_path is root's alone
     os.chmod(base, 0o755)
     folder = base / "m"
-    rank_folder = RankFolder(str(folder))  # the sidecar sets the layout up
+    rank_folder = RankFiles(str(folder))  # the sidecar sets the layout up
     try:
         assert _write_as_a_rank_of(NOBODY, str(folder)) == 0
         snap = rank_folder.snapshot()

@@ -24,8 +24,8 @@ from prometheus_client.metrics_core import GaugeMetricFamily
 from robust_metrics import schema
 from robust_metrics.hooks.sinks import MultiprocessSink
 from robust_metrics.hooks.store import MetricStore
+from robust_metrics.rankfolder.identity import RankIdentity
 from robust_metrics.sidecar import proc_connector
-from robust_metrics.sidecar.collector import ScrapeRegistry, available
 from robust_metrics.sidecar.collectors import process as process_collector
 from robust_metrics.sidecar.collectors.nccl_ras import (
     NcclRasCollector,
@@ -41,8 +41,9 @@ from robust_metrics.sidecar.collectors.process import (
     step_age,
 )
 from robust_metrics.sidecar.collectors.ranks import RanksCollector
+from robust_metrics.sidecar.collectors.registry import ScrapeRegistry, available
 from robust_metrics.sidecar.proc_connector import ProcExits
-from robust_metrics.sidecar.rankdir import RankFolder, RankIdentity
+from robust_metrics.sidecar.rank_files import RankFiles
 from tests.sidecar_fakes import FakeGpu, FakeNvml, FakeRasServer
 from tests.support import ROOT, free_port, require_binary, wait_until
 
@@ -83,7 +84,7 @@ def test_every_name_a_collector_exports_is_declared_in_the_schema(tmp_path: Path
     (tmp_path / "ranks").mkdir()
     (tmp_path / "ranks" / f"{os.getpid()}.json").write_text(json.dumps(
         {"run": "r", "rank": 0, "pid": os.getpid(), "started": time.time() - 1}))
-    folder = RankFolder(str(tmp_path), cache_seconds=0)
+    folder = RankFiles(str(tmp_path), cache_seconds=0)
     nvml = two_gpus()
     nvml.gpus[0].pids = [os.getpid()]
     registry = registry_of(ranks=RanksCollector(folder), process=ProcessCollector(folder),
@@ -262,7 +263,7 @@ def test_rank_gpu_mapping_from_running_processes(tmp_path: Path) -> None:
     (tmp_path / "ranks").mkdir()
     (tmp_path / "ranks" / "4242.json").write_text(json.dumps(
         {"run": "job7", "rank": 3, "pid": 4242, "started": time.time()}))
-    folder = RankFolder(str(tmp_path), alive=lambda pid, started: pid == 4242, cache_seconds=0)
+    folder = RankFiles(str(tmp_path), alive=lambda pid, started: pid == 4242, cache_seconds=0)
     nvml = two_gpus()
     nvml.gpus[1].pids = [4242, 999]
     registry = registry_of(nvml=NvmlCollector("n1", folder, nvml=nvml, xid_events=False))
@@ -290,7 +291,7 @@ def test_each_rank_counting_flops_gets_the_peak_of_its_own_gpu(tmp_path: Path) -
         (tmp_path / "ranks" / f"{pid}.json").write_text(json.dumps(
             {"run": "j", "rank": rank, "local_rank": local_rank, "pid": pid,
              "started": time.time()}))
-    folder = RankFolder(str(tmp_path), alive=lambda pid, started: pid in ranks, cache_seconds=0)
+    folder = RankFiles(str(tmp_path), alive=lambda pid, started: pid in ranks, cache_seconds=0)
     nvml = FakeNvml([FakeGpu("GPU-aaaa", name="NVIDIA A100-SXM4-80GB"),
                      FakeGpu("GPU-bbbb"), FakeGpu("GPU-cccc", name="NVIDIA A10G")])
     nvml.gpus[0].pids = [104]
@@ -456,7 +457,7 @@ def test_process_collector_sees_stop_normal_end_and_exit_time(tmp_path: Path) ->
             if rank == 1:
                 identity["finished"] = time.time()  # what close() writes
             (tmp_path / "ranks" / f"{proc.pid}.json").write_text(json.dumps(identity))
-        folder = RankFolder(str(tmp_path), cache_seconds=0)
+        folder = RankFiles(str(tmp_path), cache_seconds=0)
         collector = ProcessCollector(folder)
         registry = registry_of(process=collector)
         assert sample(registry, "robust_rank_process_stopped", run="r", rank="0") is None
@@ -512,7 +513,7 @@ def test_a_rank_that_says_when_an_exception_ended_it_is_ordered_by_that_time(
         if crashed is not None:
             identity["crashed"] = crashed
         (tmp_path / "ranks" / f"{proc.pid}.json").write_text(json.dumps(identity))
-    folder = RankFolder(str(tmp_path), cache_seconds=0)
+    folder = RankFiles(str(tmp_path), cache_seconds=0)
     collector = ProcessCollector(folder)
     try:
         seen = time.time()
@@ -544,7 +545,7 @@ def test_exit_signal_survives_a_parent_that_reaps_at_once(tmp_path: Path, how: s
     crash, in every one of several tries."""
     _connector_or_skip()
     (tmp_path / "ranks").mkdir()
-    folder = RankFolder(str(tmp_path), cache_seconds=0)
+    folder = RankFiles(str(tmp_path), cache_seconds=0)
     collector = ProcessCollector(folder)
     registry = registry_of(process=collector)
     try:
@@ -617,7 +618,7 @@ def test_the_first_rank_to_die_is_first_even_when_the_sidecar_wakes_late(
     (tmp_path / "ranks").mkdir()
     procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
              for _ in range(2)]
-    folder = RankFolder(str(tmp_path), cache_seconds=0)
+    folder = RankFiles(str(tmp_path), cache_seconds=0)
     collector = ProcessCollector(folder)
     try:
         started = time.time()
@@ -678,7 +679,7 @@ def test_a_dead_ranks_global_step_outlives_it_and_its_files(tmp_path: Path) -> N
         assert proc.stdout is not None and proc.stdout.readline().strip() == "stepped"
         proc.kill()
         proc.wait()
-        folder = RankFolder(str(tmp_path), cache_seconds=0, merge_after=0)
+        folder = RankFiles(str(tmp_path), cache_seconds=0, merge_after=0)
         registry = registry_of(process=ProcessCollector(folder), ranks=RanksCollector(folder))
         assert sample(registry, "robust_global_step", run="r", rank="1") is None  # gauges go
         assert sample(registry, "robust_rank_exit_global_step", run="r", rank="1") == 9
@@ -716,7 +717,7 @@ def test_an_exit_time_stays_once_the_dead_ranks_files_are_gone(tmp_path: Path) -
     writer = ROOT / "tests" / "fixtures" / "sidecar" / "rank_writer.py"
     proc = subprocess.Popen([sys.executable, str(writer), "--dir", str(tmp_path), "--forever",
                              "--interval", "0.05"], stdout=subprocess.PIPE, text=True)
-    folder = RankFolder(str(tmp_path), cache_seconds=0)
+    folder = RankFiles(str(tmp_path), cache_seconds=0)
     collector = ProcessCollector(folder)
     try:
         assert proc.stdout is not None and proc.stdout.readline().startswith("ready")
@@ -764,7 +765,7 @@ def test_the_sidecar_reads_the_step_age_at_the_ranks_last_write(tmp_path: Path) 
     (tmp_path / "ranks" / f"{os.getpid()}.json").write_text(json.dumps(
         {"run": "r", "rank": 0, "pid": os.getpid(), "started": time.time() - 5,
          "flush_interval": 0.25}))
-    folder = RankFolder(str(tmp_path), cache_seconds=0)
+    folder = RankFiles(str(tmp_path), cache_seconds=0)
     registry = registry_of(process=ProcessCollector(folder))
     try:
         stepped = time.time()

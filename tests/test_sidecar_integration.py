@@ -265,8 +265,8 @@ def test_hung_rank_age_grows_and_stacks_show_where(metrics_dir: Path, tmp_path: 
 def test_real_nvml_where_a_gpu_exists() -> None:
     from prometheus_client import CollectorRegistry
 
-    from robust_metrics.sidecar.collector import ScrapeRegistry
     from robust_metrics.sidecar.collectors.nvml import NvmlCollector
+    from robust_metrics.sidecar.collectors.registry import ScrapeRegistry
 
     collector = NvmlCollector("gpu-node", xid_events=True)
     registry = CollectorRegistry(auto_describe=False)
@@ -296,10 +296,10 @@ def test_a_rank_on_a_real_gpu_gets_that_gpus_peak(tmp_path: Path) -> None:
     from robust_metrics import schema
     from robust_metrics.hooks.sinks import MultiprocessSink
     from robust_metrics.hooks.store import MetricStore
-    from robust_metrics.sidecar.collector import ScrapeRegistry
     from robust_metrics.sidecar.collectors.nvml import NvmlCollector
+    from robust_metrics.sidecar.collectors.registry import ScrapeRegistry
     from robust_metrics.sidecar.gpu_peaks import peak_flops
-    from robust_metrics.sidecar.rankdir import RankFolder
+    from robust_metrics.sidecar.rank_files import RankFiles
 
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
@@ -311,7 +311,7 @@ def test_a_rank_on_a_real_gpu_gets_that_gpus_peak(tmp_path: Path) -> None:
     (tmp_path / "ranks").mkdir()
     (tmp_path / "ranks" / f"{os.getpid()}.json").write_text(json.dumps(
         {"run": "gpu", "rank": 0, "local_rank": 0, "pid": os.getpid(), "started": time.time() - 1}))
-    folder = RankFolder(str(tmp_path), cache_seconds=0)
+    folder = RankFiles(str(tmp_path), cache_seconds=0)
     collector = NvmlCollector("gpu-node", folder, xid_events=False)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(ScrapeRegistry({"nvml": collector}))  # type: ignore[arg-type]

@@ -1,4 +1,4 @@
-"""RankFolder against files written by the hook's real multiprocess sink, with liveness injected."""
+"""RankFiles against files written by the hook's real multiprocess sink, with liveness injected."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from robust_metrics.hooks.sinks import MultiprocessSink
 from robust_metrics.hooks.store import MetricStore
 from robust_metrics.rankfolder.identity import pid_of
 from robust_metrics.rankfolder.metricfile import CorruptFile, parse_name, read_entries
-from robust_metrics.sidecar.collector import ScrapeRegistry
-from robust_metrics.sidecar.rankdir import RankFolder
+from robust_metrics.sidecar.collectors.registry import ScrapeRegistry
+from robust_metrics.sidecar.rank_files import RankFiles
 
 
 class FakeRank:
@@ -47,7 +47,7 @@ class FakeRank:
         self.sink.close(self.store)
 
 
-def values(folder: RankFolder, name: str) -> dict[tuple, float]:
+def values(folder: RankFiles, name: str) -> dict[tuple, float]:
     folder._snapshot = None  # no cache between the steps of a test
     out = {}
     for family in folder.snapshot().families:
@@ -57,7 +57,7 @@ def values(folder: RankFolder, name: str) -> dict[tuple, float]:
     return out
 
 
-def total(folder: RankFolder, name: str) -> float:
+def total(folder: RankFiles, name: str) -> float:
     return sum(values(folder, name).values())
 
 
@@ -66,9 +66,9 @@ def live() -> set[int]:
     return set()
 
 
-def make_folder(directory: Path, live: set[int], **kwargs: float) -> RankFolder:
+def make_folder(directory: Path, live: set[int], **kwargs: float) -> RankFiles:
     kwargs.setdefault("merge_after", 0.0)
-    return RankFolder(str(directory), alive=lambda pid, started: pid in live, cache_seconds=0,
+    return RankFiles(str(directory), alive=lambda pid, started: pid in live, cache_seconds=0,
                       **kwargs)
 
 

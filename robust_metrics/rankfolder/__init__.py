@@ -6,7 +6,7 @@ A rank's hook writes into `ROBUST_METRICS_DIR`; the node sidecar, `robust-metric
     <dir>/counter_<pid>.db, gauge_mostrecent_<pid>.db, summary_<pid>.db, ...   metricfile.py
     <dir>/ranks/<pid>.json       who the process is (run, rank, node, topology)    identity.py
     <dir>/control/checkpoint.json  a checkpoint request for the ranks             control.py
-    <dir>/archive/               the sidecar's own state (sidecar/rankdir.py)
+    <dir>/archive/               the sidecar's own state (sidecar/rank_files/archive.py)
 
 On Kubernetes a checkpoint request can also arrive as a pod annotation projected into a file
 outside the folder (downward API); control.py owns that format too, writer's name and reader.

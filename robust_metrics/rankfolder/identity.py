@@ -1,10 +1,12 @@
 """`ranks/<pid>.json`: who a rank process is, written by the hook, read by the sidecar and `stacks`.
 
 One record per process: its run and rank, where it runs (node, local rank) and its place in the
-parallel layout (world size, data/pipeline/tensor parallel coordinates). The sidecar serves it as
-`robust_rank_info`, names stack dumps with it and maps pids to ranks for liveness; `robust-metrics
-stacks --metrics-dir` reads it directly. All readers go through `read_identity`, so the sidecar,
-`stacks` and the bridge report the same fields.
+parallel layout (world size, data/pipeline/tensor parallel coordinates). The hook also publishes
+where it runs and its place in the layout as the labels of its own `robust_rank_info` series (the
+sidecar passes that series through with the rest of the rank's metric files). This file tells who a
+process is without reading its metrics: the sidecar maps pids to ranks for liveness and names stack
+dumps with it, and `robust-metrics stacks --metrics-dir` reads it directly. All readers go through
+`read_identity`, so the sidecar, `stacks` and the bridge report the same fields.
 
 Values are strings, empty when unknown, as they are on the `robust_rank_info` labels.
 """

@@ -1,4 +1,4 @@
-"""HTTP routes of the sidecar; the work lives in the collectors, `rankdir` and `stacks`.
+"""HTTP routes of the sidecar; the work lives in the collectors, `rank_files` and `stacks`.
 
 - `GET /metrics`: every enabled collector (Prometheus text or OpenMetrics, gzip when asked).
 - `GET /healthz`: 200 while the process serves; never behind authentication.
@@ -38,10 +38,10 @@ from robust_metrics.rankfolder.identity import RankIdentity
 from robust_metrics.rankfolder.proof import prove_rank
 from robust_metrics.sidecar import selftest as selftest_runner
 from robust_metrics.sidecar.auth import TokenFile, WebConfig
-from robust_metrics.sidecar.collector import ScrapeRegistry
+from robust_metrics.sidecar.collectors.registry import ScrapeRegistry
 from robust_metrics.sidecar.collectors.selftest import SelftestCollector
 from robust_metrics.sidecar.config import SidecarConfig
-from robust_metrics.sidecar.rankdir import RankFolder
+from robust_metrics.sidecar.rank_files import RankFiles
 
 __all__ = ["create_app"]
 
@@ -87,7 +87,7 @@ def _error(status: int, message: str, headers: dict[str, str] | None = None) -> 
     return JSONResponse({"error": message}, status_code=status, headers=headers)
 
 
-def create_app(config: SidecarConfig, registry: ScrapeRegistry, folder: RankFolder, *,
+def create_app(config: SidecarConfig, registry: ScrapeRegistry, folder: RankFiles, *,
                token: TokenFile | None = None, web: WebConfig | None = None,
                on_close: Callable[[], None] | None = None,
                selftest: SelftestCollector | None = None) -> Starlette:

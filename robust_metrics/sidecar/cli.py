@@ -18,7 +18,7 @@ import os
 import socket
 import sys
 
-from robust_metrics.sidecar.collector import (
+from robust_metrics.sidecar.collectors.registry import (
     Collector,
     ScrapeRegistry,
     add_collector_flags,
@@ -127,7 +127,7 @@ def build(config: SidecarConfig):
     """The app and its parts, for `run` and for tests that serve it in-process."""
     from robust_metrics.sidecar.app import create_app
     from robust_metrics.sidecar.auth import TokenFile, load_web_config
-    from robust_metrics.sidecar.rankdir import RankFolder
+    from robust_metrics.sidecar.rank_files import RankFiles
 
     _prepare_dir(config.directory)
     web = load_web_config(config.web_config) if config.web_config else None
@@ -135,8 +135,8 @@ def build(config: SidecarConfig):
     if config.token_file:
         token = TokenFile(config.token_file)
         token.load()
-    folder = RankFolder(config.directory, merge_after=config.merge_after,
-                        retention=config.retention)
+    folder = RankFiles(config.directory, merge_after=config.merge_after,
+                       retention=config.retention)
     infos = available()
     collectors: dict[str, Collector] = {
         name: infos[name].factory(config, folder) for name in config.collectors}

@@ -28,9 +28,9 @@ from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 
 from robust_metrics import schema
 from robust_metrics.numbers import decimal
-from robust_metrics.sidecar.collector import register_collector
+from robust_metrics.sidecar.collectors.registry import register_collector
 from robust_metrics.sidecar.config import SidecarConfig
-from robust_metrics.sidecar.rankdir import RankFolder
+from robust_metrics.sidecar.rank_files import RankFiles
 
 __all__ = ["NcclRasCollector", "RasError", "RasReport", "parse_json_report",
            "parse_text_report", "query_ras"]
@@ -225,5 +225,5 @@ class NcclRasCollector:
 
 @register_collector("nccl", default_enabled=True,
                     help="NCCL RAS service status (exports nothing while nothing listens)")
-def _factory(config: SidecarConfig, folder: RankFolder) -> NcclRasCollector:
+def _factory(config: SidecarConfig, folder: RankFiles) -> NcclRasCollector:
     return NcclRasCollector(config.node, config.nccl_ras_addr, config.nccl_interval)

@@ -16,9 +16,9 @@ from collections.abc import Iterator
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from robust_metrics import schema
-from robust_metrics.sidecar.collector import register_collector
+from robust_metrics.sidecar.collectors.registry import register_collector
 from robust_metrics.sidecar.config import SidecarConfig
-from robust_metrics.sidecar.rankdir import RankFolder
+from robust_metrics.sidecar.rank_files import RankFiles
 
 __all__ = ["ERROR_COUNTERS", "NicCollector", "parse_rate"]
 
@@ -138,5 +138,5 @@ def _listdir(path: str) -> list[str]:
 
 @register_collector("nic", default_enabled=True,
                     help="InfiniBand/RoCE ports and network device carrier from sysfs")
-def _factory(config: SidecarConfig, folder: RankFolder) -> NicCollector:
+def _factory(config: SidecarConfig, folder: RankFiles) -> NicCollector:
     return NicCollector(config.sysfs, config.node)

@@ -29,10 +29,10 @@ from typing import Any
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from robust_metrics import schema
-from robust_metrics.sidecar.collector import register_collector
+from robust_metrics.sidecar.collectors.registry import register_collector
 from robust_metrics.sidecar.config import SidecarConfig
 from robust_metrics.sidecar.gpu_peaks import parse_overrides, peak_flops
-from robust_metrics.sidecar.rankdir import RankFolder
+from robust_metrics.sidecar.rank_files import RankFiles
 
 __all__ = ["NVLINK_ERRORS", "THROTTLE_REASONS", "NvmlCollector"]
 
@@ -117,7 +117,7 @@ class _XidWatcher(threading.Thread):
 
 
 class NvmlCollector:
-    def __init__(self, node: str, folder: RankFolder | None = None, *, nvml: Any = None,
+    def __init__(self, node: str, folder: RankFiles | None = None, *, nvml: Any = None,
                  retry_seconds: float = 60.0, xid_events: bool = True,
                  clock: Callable[[], float] = time.monotonic, peak_dtype: str = "bf16",
                  peak_overrides: Sequence[tuple[str, float]] = ()) -> None:
@@ -360,7 +360,7 @@ class NvmlCollector:
 
 @register_collector("nvml", default_enabled=True,
                     help="GPU health and load through NVML (nvidia-ml-py)")
-def _factory(config: SidecarConfig, folder: RankFolder) -> NvmlCollector:
+def _factory(config: SidecarConfig, folder: RankFiles) -> NvmlCollector:
     return NvmlCollector(config.node, folder, retry_seconds=config.nvml_retry,
                          peak_dtype=config.gpu_peak_dtype,
                          peak_overrides=parse_overrides(config.gpu_peak_flops))

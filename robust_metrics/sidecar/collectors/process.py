@@ -21,7 +21,7 @@ report that it died; the sidecar can. Per rank (the newest process of each `run`
   at the next scrape. The time is fixed when first published. The signal that ended it comes
   from the process events too, else from the zombie before its parent reaps it;
 - the global step it had reached when it exited, the step it started from and when it last
-  stepped, from its last files (`RankFolder` keeps them): the proof that a restart which failed
+  stepped, from its last files (`RankFiles` keeps them): the proof that a restart which failed
   again before any scrape saw it alive trained, and from where;
 - its CPU time and resident memory;
 - the seconds since its last completed step (or since `watch()` before its first step), as of
@@ -47,10 +47,11 @@ import psutil
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from robust_metrics import schema
-from robust_metrics.sidecar.collector import register_collector
+from robust_metrics.rankfolder.identity import RankIdentity
+from robust_metrics.sidecar.collectors.registry import register_collector
 from robust_metrics.sidecar.config import SidecarConfig
 from robust_metrics.sidecar.proc_connector import ProcExits, signal_of
-from robust_metrics.sidecar.rankdir import RankFolder, RankIdentity
+from robust_metrics.sidecar.rank_files import RankFiles
 
 __all__ = ["ExitWatcher", "ProcessCollector", "exit_time", "newest_per_rank", "step_age"]
 
@@ -256,7 +257,7 @@ def exit_time(seen: float, ident: RankIdentity, written: float | None = None) ->
 
 
 class ProcessCollector:
-    def __init__(self, folder: RankFolder, exits: ExitWatcher | None = None) -> None:
+    def __init__(self, folder: RankFiles, exits: ExitWatcher | None = None) -> None:
         self.folder = folder
         self.exits = exits if exits is not None else ExitWatcher()
         self._exit_times: dict[int, float] = {}  # pid -> as first published
@@ -335,5 +336,5 @@ class ProcessCollector:
 
 @register_collector("process", default_enabled=True,
                     help="rank process liveness, stop and exit, CPU, memory and step age")
-def _factory(config: SidecarConfig, folder: RankFolder) -> ProcessCollector:
+def _factory(config: SidecarConfig, folder: RankFiles) -> ProcessCollector:
     return ProcessCollector(folder)

@@ -1,6 +1,6 @@
 """`ranks`: the metrics the rank processes on this node publish through the multiprocess folder.
 
-All the work (dead processes, the archive, corrupt files) is in `robust_metrics.sidecar.rankdir`;
+All the work (dead processes, the archive, corrupt files) is in `robust_metrics.sidecar.rank_files`;
 this collector only serves its snapshot and the count of corrupt files.
 """
 
@@ -11,15 +11,15 @@ from collections.abc import Iterator
 from prometheus_client.metrics_core import CounterMetricFamily, Metric
 
 from robust_metrics import schema
-from robust_metrics.sidecar.collector import register_collector
+from robust_metrics.sidecar.collectors.registry import register_collector
 from robust_metrics.sidecar.config import SidecarConfig
-from robust_metrics.sidecar.rankdir import RankFolder
+from robust_metrics.sidecar.rank_files import RankFiles
 
 __all__ = ["RanksCollector"]
 
 
 class RanksCollector:
-    def __init__(self, folder: RankFolder) -> None:
+    def __init__(self, folder: RankFiles) -> None:
         self.folder = folder
 
     def collect(self) -> Iterator[Metric]:
@@ -31,5 +31,5 @@ class RanksCollector:
 
 @register_collector("ranks", default_enabled=True,
                     help="rank metrics from the multiprocess folder (--dir)")
-def _factory(config: SidecarConfig, folder: RankFolder) -> RanksCollector:
+def _factory(config: SidecarConfig, folder: RankFiles) -> RanksCollector:
     return RanksCollector(folder)

@@ -16,9 +16,9 @@ from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 
 from robust_metrics import schema
 from robust_metrics.selftest.api import Report
-from robust_metrics.sidecar.collector import register_collector
+from robust_metrics.sidecar.collectors.registry import register_collector
 from robust_metrics.sidecar.config import SidecarConfig
-from robust_metrics.sidecar.rankdir import RankFolder
+from robust_metrics.sidecar.rank_files import RankFiles
 
 __all__ = ["FIGURES", "SelftestCollector"]
 
@@ -74,5 +74,5 @@ class SelftestCollector:
 
 @register_collector("selftest", default_enabled=True,
                     help="the node's last self-test (run by POST /control/selftest)")
-def _factory(config: SidecarConfig, folder: RankFolder) -> SelftestCollector:
+def _factory(config: SidecarConfig, folder: RankFiles) -> SelftestCollector:
     return SelftestCollector(config.node)

@@ -1,10 +1,15 @@
 """The collector interface, the registry of collectors, and the scrape that runs them.
 
-As in node_exporter, every collector lives in its own module and registers itself with a name and
-whether it is on by default; the registry makes the `--collector.NAME` / `--no-collector.NAME`
-flags and wraps each collector so its duration and success are series of their own
-(`robust_sidecar_collector_duration_seconds{collector}`, `robust_sidecar_collector_success`). A
-collector that raises loses its own series for that scrape, never the scrape.
+As in node_exporter, every collector lives in its own module of this package and registers itself
+with a name and whether it is on by default (`register_collector`); the registry makes the
+`--collector.NAME` / `--no-collector.NAME` flags and wraps each collector so its duration and
+success are series of their own (`robust_sidecar_collector_duration_seconds{collector}`,
+`robust_sidecar_collector_success`). A collector that raises loses its own series for that scrape,
+never the scrape.
+
+This module imports no collector: the package's `__init__` imports every collector module, and
+Python runs it before any of its modules, this one included, can be imported from outside. So
+`available()` is complete without importing anything itself, and no import runs in a circle.
 """
 
 from __future__ import annotations
@@ -18,15 +23,13 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 
 from robust_metrics import schema
-
-if TYPE_CHECKING:
-    from robust_metrics.sidecar.config import SidecarConfig
-    from robust_metrics.sidecar.rankdir import RankFolder
+from robust_metrics.sidecar.config import SidecarConfig
+from robust_metrics.sidecar.rank_files import RankFiles
 
 __all__ = [
     "Collector",
@@ -47,11 +50,14 @@ class Collector(Protocol):
     def collect(self) -> Iterable[Metric]: ...
 
 
-Factory = Callable[["SidecarConfig", "RankFolder"], Collector]
+Factory = Callable[[SidecarConfig, RankFiles], Collector]
 
 
 @dataclass(frozen=True)
 class CollectorInfo:
+    """A registered collector: the name of its flag, whether it is on without one, the flag's
+    help, and the factory the sidecar calls once at start-up for each enabled collector."""
+
     name: str
     default_enabled: bool
     help: str
@@ -74,9 +80,8 @@ def register_collector(name: str, *, default_enabled: bool, help: str) -> Callab
 
 
 def available() -> dict[str, CollectorInfo]:
-    """Every registered collector (importing the collectors package registers them all)."""
-    import robust_metrics.sidecar.collectors  # noqa: F401  (registers on import)
-
+    """Every registered collector: all of them, since the package imported each one before this
+    module could be imported from outside it."""
     return dict(_COLLECTORS)
 
 
