@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
         from robust_metrics.bridge.schedulers import base
 
         for s in config.schedulers.values():
-            base.create(s.type, s.options)
+            s.create()
     except (ConfigError, base.SchedulerError) as exc:
         print(f"robust-metrics bridge: invalid scheduler config: {exc}", file=sys.stderr)
         return 2

@@ -19,7 +19,6 @@ from robust_metrics.bridge.engine import Engine
 from robust_metrics.bridge.ledger import Entry, Ledger, persistent_finding
 from robust_metrics.bridge.metrics import BridgeMetrics
 from robust_metrics.bridge.payload import Notification
-from robust_metrics.bridge.schedulers import base as schedulers_base
 from robust_metrics.bridge.sidecars import SidecarClient, SidecarError
 from robust_metrics.bridge.store import ActionStore, NewAlert
 
@@ -34,8 +33,7 @@ class Bridge:
     def __init__(self, config: BridgeConfig) -> None:
         self.config = config
         self.metrics = BridgeMetrics()
-        self.schedulers = {name: schedulers_base.create(s.type, s.options)
-                           for name, s in config.schedulers.items()}
+        self.schedulers = {name: s.create() for name, s in config.schedulers.items()}
         self.store = ActionStore(config.database)
         self.sidecars = SidecarClient(config.sidecars, config.prometheus_url)
         self.actions = Actions(config, self.sidecars, self.schedulers, self.metrics)
