@@ -20,7 +20,9 @@ Crash behaviour per action (a step found `running` at start):
 - restart: publishes `robust_bridge_run_stop_timestamp_seconds` of the run and waits until
   Prometheus holds it (`notice_timeout_s`) before asking the scheduler, and publishes
   `robust_bridge_run_stop_end_timestamp_seconds` when the scheduler returns, so that RankExited
-  reads the exits in between as requested and later ones as the new processes' own;
+  reads the exits in between as requested and later ones as the new processes' own. When
+  Prometheus scrapes no target that exposes the notice (the bridge is not in its scrape config),
+  the wait lasts the whole timeout: the bridge says so once, as a warning that names the fix;
 - restart / drain_node: resumed when the scheduler can tell whether the operation completed
   (`local` records the step key with the new pid), otherwise failed, never repeated;
 - notify: failed, never repeated (a second page is worse than a logged gap).
@@ -148,6 +150,7 @@ class Actions:
         self.notifier = Notifier(config.notify) if config.notify else None
         self.stop = stop or threading.Event()
         self._suspects: dict[str, set[tuple[str, str]]] = {}  # run -> (rank, node) now at 1
+        self._unscraped_warned = threading.Event()  # the stop notice's warning, given once
 
     # ------------------------------------------------------------------ dispatch
     def run(self, ctx: StepContext) -> Outcome:
@@ -468,16 +471,44 @@ class Actions:
             return "published; not awaited (prometheus.url is not set)"
         floor = f"{began - 0.001:.3f}"  # printed, never rounded above what was set
         promql = f"{RUN_STOP}{{run={promql_string(run)}}} >= {floor}"
+        unscraped: str | None = None  # why no scrape will deliver it; asked after a first miss
         while True:
             try:
                 if self.sidecars.query(promql):
                     return f"seen by Prometheus after {time.time() - began:.1f} s"
             except SidecarError as exc:
                 log.warning("stop notice of run %s: %s", run, exc)
+            if unscraped is None:
+                unscraped = self._notice_unscraped(run, timeout_s)
             if time.time() - began >= timeout_s:
-                return f"not seen by Prometheus within {timeout_s:g} s; stopped anyway"
+                return (f"not seen by Prometheus within {timeout_s:g} s; stopped anyway"
+                        + (f" ({unscraped})" if unscraped else ""))
             if self.stop.wait(0.25):
                 raise Interrupted()
+
+    def _notice_unscraped(self, run: str, timeout_s: float) -> str:
+        """Why no scrape will deliver the stop notice ('' when one may, or when Prometheus
+        cannot say); the first time, a warning that says why the restart waits and the fix."""
+        try:
+            if self.sidecars.scraped(RUN_STOP):
+                return ""
+        except SidecarError as exc:  # e.g. a backend without the metadata API: no verdict
+            log.debug("stop notice of run %s: cannot tell whether the bridge is scraped: %s",
+                      run, exc)
+            return ""
+        why = f"no target of Prometheus exposes {RUN_STOP}: the bridge is not scraped"
+        if not self._unscraped_warned.is_set():
+            self._unscraped_warned.set()
+            log.warning(
+                "restart of run %s waits %g s (notice_timeout_s) for Prometheus to store the "
+                "bridge's stop notice (%s), which tells the rules that the exits that follow "
+                "were asked for, not crashes; but Prometheus at %s scrapes no target that "
+                "exposes it, so every restart waits the whole timeout and RankExited may fire "
+                "for its exits. Fix: add the bridge's /metrics (http://%s:%d/metrics, with its "
+                "credentials if auth.protect_metrics is set) to Prometheus's scrape_configs; "
+                "see 'The stop notice' in docs/bridge.md. Said once.", run, timeout_s, RUN_STOP,
+                self.sidecars.prometheus_url, self.config.host, self.config.port)
+        return why
 
     def _drain_node(self, ctx: StepContext) -> Outcome:
         if ctx.spec.get("over_evict"):

@@ -82,6 +82,21 @@ class SidecarClient:
             raise SidecarError(f"Prometheus refused {promql!r}: {body.get('error', body)}")
         return list(body["data"]["result"])
 
+    def scraped(self, metric: str) -> bool:
+        """Whether any target Prometheus scrapes exposes `metric`: Prometheus keeps the metadata
+        (HELP and TYPE) of every metric its active targets expose, present from their first
+        scrape even while the metric has no series yet."""
+        if not self.prometheus_url:
+            raise SidecarError("prometheus.url is not configured")
+        try:
+            body = self._prom.get(f"{self.prometheus_url}/api/v1/targets/metadata",
+                                  params={"metric": metric}).json()
+            if body.get("status") != "success" or not isinstance(body.get("data"), list):
+                raise ValueError(str(body)[:200])
+        except (httpx.HTTPError, ValueError, AttributeError) as exc:
+            raise SidecarError(f"Prometheus target metadata unreadable: {exc!r}") from exc
+        return bool(body["data"])
+
     def nodes(self, run: str, labels: Mapping[str, str]) -> list[str]:
         """The run's nodes: from the alert labels, else from robust_rank_info in Prometheus."""
         nodes = nodes_from_labels(labels)
