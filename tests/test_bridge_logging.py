@@ -120,7 +120,7 @@ def test_polls_are_debug_and_step_outcomes_info(bridge_with: Any,
         caplog.clear()
         caplog.set_level(logging.DEBUG)
         bridge.ledger.step()
-        bridge.sidecars.query("up")
+        bridge.prometheus.query("up")
         polls = [r for r in caplog.records if r.name == "httpx"]
         assert polls and {r.levelno for r in polls} == {logging.DEBUG}
         assert "HTTP Request: GET" in polls[-1].getMessage()

@@ -256,7 +256,7 @@ _ACTION_OPTIONS: dict[str, dict[str, tuple[str, Any]]] = {
     "drain_node": {"scheduler": ("scheduler", None)},
     "notify": {"message": ("str", None)},
 }
-# The action names, declared once: the keys above (each is a method `_<name>` of bridge.Actions).
+# The action names, declared once: the keys above (each runs through `actions.HANDLERS`).
 ACTIONS: tuple[str, ...] = tuple(_ACTION_OPTIONS)
 
 

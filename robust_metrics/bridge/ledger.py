@@ -214,7 +214,7 @@ def outcome_of(incident: Incident, steps: Sequence[Step]) -> str:
     own closing status (skipped, ignored)."""
     if incident.status in ("skipped", "ignored"):
         return incident.status
-    if any(step.get("guard") == "crash_loop" for step in incident.plan):
+    if any(step.guard == "crash_loop" for step in incident.plan):
         return "crash_loop"
     if any(s.action == "restart" and s.status == "success" for s in steps):
         return "restart"
