@@ -43,6 +43,9 @@ class Engine:
         self._horizon_s = policy.history_horizon_s(config)
         # run -> the ledger's finding that its non-finite value persists (set by the service)
         self.nan_finding: Callable[[str], str | None] | None = None
+        # (run, incident id, now) -> why the verdict on an earlier NaN restart of the run is
+        # awaited (set by the service)
+        self.nan_pending: Callable[[str, int, float], str | None] | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def recover(self) -> list[str]:
@@ -111,6 +114,9 @@ class Engine:
             if self.nan_finding is not None:
                 history = dataclasses.replace(history,
                                               persistent_nan=self.nan_finding(incident.run))
+            if self.nan_pending is not None:
+                history = dataclasses.replace(history, nan_pending=self.nan_pending(
+                    incident.run, incident.id, now))
         return policy.decide(self.config, policy.AlertFacts(incident.labels, incident.starts_at),
                              history, now)
 

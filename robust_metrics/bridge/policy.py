@@ -25,6 +25,13 @@ what the action log says about the alert's run, with no HTTP, SQL or clock insid
    back at the same step after a restart (`bridge.numerics`), a restart for another alert of
    non-finite values (`incidents.nan_alert_re`) would replay it: it becomes a `notify` that
    names the step and rank, marked `guard: nan_persistent`.
+8. **pending non-finite verdict**: while the run has been restarted for a non-finite value and
+   the ledger has not yet judged it (the run has not met the bad step again), a restart for
+   another such alert is skipped, marked `guard: nan_pending`. The alert is the same value
+   seen again (an alert that resolved while the ranks restarted and fired again when they came
+   back, with a new startsAt) or its recurrence, which the ledger is about to judge: another
+   restart could only replay it before the verdict, and the verdict itself tells people or
+   tests the node.
 
 The bridge calls `decide` when an alert arrives (to record its rule, plan and due time) and again
 when a worker claims it, inside the store's transaction, with the run's history read in that
@@ -70,6 +77,7 @@ class History:
     restart_steps: Sequence[float | None] = ()
     highest_step: float | None = None
     persistent_nan: str | None = None  # the ledger's finding, when the run has one
+    nan_pending: str | None = None  # why the ledger's verdict on an earlier NaN restart is awaited
 
 
 @dataclass(frozen=True)
@@ -255,6 +263,17 @@ def _nan_guard(config: BridgeConfig, plan: list[PlanStep], run: str, alertname: 
     return out
 
 
+def _nan_pending_guard(config: BridgeConfig, plan: list[PlanStep], alertname: str,
+                       log: History) -> list[PlanStep]:
+    """A restart for a non-finite value while the verdict on the run's last one is awaited is
+    skipped (and the checkpoint before it)."""
+    if not log.nan_pending or not config.incidents.nan_alert_re.fullmatch(alertname):
+        return plan
+    why = log.nan_pending
+    return [replace(s, skip=why, guard="nan_pending") if s.kind == "restart"
+            else replace(s, skip=why) if _before_restart(s) else s for s in plan]
+
+
 def decide(config: BridgeConfig, alert: AlertFacts, log: History, now: float) -> Decision:
     """What the bridge does for `alert` at `now`, given the policy and its run's history."""
     rule = match_rule(config, alert.labels)
@@ -273,4 +292,5 @@ def decide(config: BridgeConfig, alert: AlertFacts, log: History, now: float) ->
     plan = _nan_guard(config, plan, run, alertname, log)
     plan = _crash_loop_guard(config, plan, run, alertname, log)
     plan = _budget(config, plan, run, alertname, log, now)
+    plan = _nan_pending_guard(config, plan, alertname, log)  # a restart that stays waits
     return Decision("run", rule.name, plan, due)

@@ -46,6 +46,7 @@ class Bridge:
                              self.prometheus.query if self.prometheus else None)
         self.ledger.on_nan_verdict = self._on_nan_verdict
         self.engine.nan_finding = self.ledger.persistent_nan
+        self.engine.nan_pending = self.ledger.pending_nan
         self.recovery_notes: list[str] = []
 
     def _on_nan_verdict(self, entry: Entry) -> dict[str, Any]:

@@ -341,6 +341,14 @@ class ActionStore:
         return self._tx()
 
     @contextmanager
+    def reading(self) -> Iterator[sqlite3.Connection]:
+        """The log as it stands, for reads only and without a transaction of its own, so it can
+        be used inside a decision (`claim` calls `decide` in its transaction, where
+        `transaction()` would nest)."""
+        with self._lock:
+            yield self._db
+
+    @contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
