@@ -4,7 +4,8 @@ This module only registers the sub-commands. Each lives in its own module with t
 `configure(parser)` and `run(args) -> int`: a deployable's in the `cli.py` of its package
 (`sidecar/cli.py`, `bridge/cli.py`, `dashboards/cli.py`, `analysis/whatif/cli.py`, `demo/cli.py`);
 the small single-module tools keep theirs beside what they render (`rules.py`, `schema_cli.py`,
-`analysis/stacks_cli.py`). Modules are imported only when their sub-command runs, so
+`analysis/stacks_cli.py`, `bridge/job_cli.py`). `robust-metrics --version` prints the package's
+version. Modules are imported only when their sub-command runs, so
 `robust-metrics sidecar` never pays for torch or matplotlib.
 
 A command whose optional extra is not installed says which one (`pip install
@@ -25,6 +26,8 @@ from collections.abc import Sequence
 COMMANDS: dict[str, tuple[str, str]] = {
     "sidecar": ("robust_metrics.sidecar.cli", "node exporter: rank metrics, GPU, NIC, liveness, stacks"),
     "bridge": ("robust_metrics.bridge.cli", "Alertmanager webhook to checkpoint/stack/restart actions"),
+    "job": ("robust_metrics.bridge.job_cli",
+            "start, stop or show a job under the bridge's local scheduler (so it can restart it)"),
     "rules": ("robust_metrics.rules", "render the alert and recording rules (plain or PrometheusRule)"),
     "dashboards": ("robust_metrics.dashboards.cli", "write the Grafana dashboards as JSON"),
     "whatif": ("robust_metrics.analysis.whatif.cli", "what-if straggler analysis of an op trace"),
@@ -86,6 +89,12 @@ def _need_extras(command: str, extras: Sequence[str], module: str | None = None)
     return 2
 
 
+def _version() -> str:
+    from robust_metrics import __version__
+
+    return f"robust-metrics {__version__}"
+
+
 def _top_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="robust-metrics",
@@ -93,6 +102,7 @@ def _top_parser() -> argparse.ArgumentParser:
         "GPU and NIC faults, on Prometheus, Alertmanager and Grafana.",
         epilog="Run 'robust-metrics COMMAND --help' for a command's options.",
     )
+    parser.add_argument("--version", action="version", version=_version())
     parser.add_argument(
         "command", choices=sorted(COMMANDS), metavar="COMMAND",
         help="; ".join(f"{name}: {text}" for name, (_, text) in COMMANDS.items()),
@@ -108,6 +118,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not args or args[0] in ("-h", "--help"):
             parser.print_help()
             return 0 if args else 2
+        if args[0] == "--version":
+            print(_version())
+            return 0
         parser.parse_args(args[:1])  # exits with a clear "invalid choice" message
         return 2
     name = args[0]

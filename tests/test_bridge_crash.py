@@ -81,8 +81,8 @@ def test_local_restart_interrupted_by_kill9_is_finished_once(tmp_path: Path) -> 
         "database": "bridge.db", "auth": {"bearer_token": TOKEN},
         "schedulers": {"local": scheduler_cfg},
         "rules": [{"match": {"action": "restart"}, "actions": ["restart"]}]})
-    local = LocalScheduler({**{k: v for k, v in scheduler_cfg.items() if k != "type"},
-                            "_base_dir": str(tmp_path)})
+    local = LocalScheduler({k: v for k, v in scheduler_cfg.items() if k != "type"},
+                           base_dir=tmp_path)
     bridge = BridgeProcess(config, free_port(), TOKEN, tmp_path / "bridge.log")
     try:
         local.start("job-a")

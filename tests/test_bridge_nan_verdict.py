@@ -228,3 +228,68 @@ def test_the_bridge_notifies_a_persistent_value_and_tests_a_transient_ones_node(
             assert bridge.engine.nan_finding("r1") is None
         finally:
             bridge.close()
+
+
+# ---------------------------------------------------------------- before the verdict
+PENDING = ("the verdict on the non-finite value of incident 1 (NonFiniteLoss) is awaited: the "
+           "run has not met its step again since that restart; another restart would only "
+           "replay it")
+
+
+def test_a_nan_restart_waits_for_the_verdict_on_the_last_one() -> None:
+    plan = decide(_config(), AlertFacts(LABELS, START), History(nan_pending=PENDING), T0).plan
+    assert [(s.kind, s.skip, s.guard) for s in plan] == [
+        ("checkpoint", PENDING, None), ("restart", PENDING, "nan_pending")]
+    hang = AlertFacts({**LABELS, "alertname": "TrainingHang"}, START)
+    assert [s.skip for s in decide(_config(), hang, History(nan_pending=PENDING), T0).plan] == [
+        None]  # another alert's restart goes ahead
+
+
+def _second_nan(ledger: Ledger, now: float) -> Any:
+    """A new NonFiniteLoss instance of the run (as when the alert resolved while the ranks
+    restarted and fired again as they came back), decided by the engine as a worker does."""
+    from robust_metrics.bridge.actions import Actions
+    from robust_metrics.bridge.engine import Engine
+
+    store, config = ledger.store, ledger.config
+    metrics = BridgeMetrics()
+    engine = Engine(config, store, Actions(config, None, {}, metrics), metrics)  # type: ignore[arg-type]
+    engine.nan_finding, engine.nan_pending = ledger.persistent_nan, ledger.pending_nan
+    fingerprint = f"f{now}"
+    plan = decide(config, AlertFacts(LABELS, START), History(), now).plan  # as on arrival
+    store.accept([NewAlert(fingerprint, START, "r1", "NonFiniteLoss", LABELS, {}, "nan", plan,
+                           T0)], now=now)
+    claimed = store.claim(engine._decide, 3600, now=now)  # inside the claim's transaction
+    assert claimed is not None and claimed[0].fingerprint == fingerprint
+    store.finish_incident(claimed[0].id, "done", now=now)  # its steps are not the point here
+    return claimed[1]
+
+
+def test_a_nan_alert_that_fires_again_before_the_verdict_does_not_restart_again(
+        tmp_path: Path) -> None:
+    ledger, prom, _ = _ledger(tmp_path)  # restarted at T0 + 3; no ledger pass yet
+    first = _second_nan(ledger, T0 + 3.8)
+    assert [(s.kind, s.skip) for s in first.plan] == [("checkpoint", PENDING),
+                                                       ("restart", PENDING)]
+    assert ledger.pending_nan("r1", 99, T0 + 3.8) == PENDING
+    # the run meets step 120 again: persistent; the next instance is a notify, not a restart
+    prom.recurred, prom.step_after = 120.0, 121.0
+    entries = {e.incident_id: e for e in ledger.step(now=T0 + 60)}
+    assert entries[1].numerics["verdict"] == "persistent"
+    assert entries[2].outcome == "no_restart"  # the skipped one: entered, nothing to judge
+    assert ledger.pending_nan("r1", 99, T0 + 61) is None
+    assert [s.kind for s in _second_nan(ledger, T0 + 61).plan] == ["checkpoint", "notify"]
+
+
+def test_the_wait_ends_with_any_final_entry_or_the_recover_timeout(tmp_path: Path) -> None:
+    ledger, prom, _ = _ledger(tmp_path)
+    assert ledger.pending_nan("r1", 99, T0 + 3 + 3599) == PENDING
+    assert ledger.pending_nan("r1", 99, T0 + 3 + 3601) is None  # no verdict will come now
+    assert ledger.pending_nan("r2", 99, T0 + 10) is None  # another run
+    prom.step_after = 122.0  # passed the step cleanly: transient, final
+    ledger.step(now=T0 + 60)
+    assert ledger.pending_nan("r1", 99, T0 + 61) is None
+    decision = _second_nan(ledger, T0 + 62)
+    assert [(s.kind, s.skip) for s in decision.plan] == [("checkpoint", None), ("restart", None)]
+    blind = Ledger(ledger.config, ledger.store, BridgeMetrics(), None)  # no Prometheus
+    assert blind.pending_nan("r1", 99, T0 + 5) is None

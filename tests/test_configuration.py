@@ -76,7 +76,7 @@ def test_every_secret_of_the_bridge_takes_the_three_forms(tmp_path: Path,
     assert (config.auth.bearer_token, config.auth.basic_password, config.sidecars.token,
             config.notify and config.notify.secret) == (
         "file-secret", "env-secret", "file-secret", "inline")
-    hook = base.create("webhook", config.schedulers["hook"].options)
+    hook = config.schedulers["hook"].create()
     try:
         assert hook.secret == "file-secret"  # type: ignore[attr-defined]
     finally:

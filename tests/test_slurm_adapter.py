@@ -174,7 +174,7 @@ def test_node_names_that_could_smuggle_arguments_are_refused() -> None:
 
 def test_token_sources(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "jwt").write_text("SLURM_JWT=from-file\n")
-    assert SlurmScheduler({"token_file": "jwt", "_base_dir": str(tmp_path)}).token() == "from-file"
+    assert SlurmScheduler({"token_file": "jwt"}, base_dir=tmp_path).token() == "from-file"
     monkeypatch.setenv("MY_JWT", "from-env")
     assert SlurmScheduler({"token_env": "MY_JWT"}).token() == "from-env"
     monkeypatch.delenv("SLURM_JWT", raising=False)

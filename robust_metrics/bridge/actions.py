@@ -20,7 +20,9 @@ Crash behaviour per action (a step found `running` at start):
 - restart: publishes `robust_bridge_run_stop_timestamp_seconds` of the run and waits until
   Prometheus holds it (`notice_timeout_s`) before asking the scheduler, and publishes
   `robust_bridge_run_stop_end_timestamp_seconds` when the scheduler returns, so that RankExited
-  reads the exits in between as requested and later ones as the new processes' own;
+  reads the exits in between as requested and later ones as the new processes' own. When
+  Prometheus scrapes no target that exposes the notice (the bridge is not in its scrape config),
+  the wait lasts the whole timeout: the bridge says so once, as a warning that names the fix;
 - restart / drain_node: resumed when the scheduler can tell whether the operation completed
   (`local` records the step key with the new pid), otherwise failed, never repeated;
 - notify: failed, never repeated (a second page is worse than a logged gap).
@@ -43,16 +45,18 @@ from robust_metrics import schema
 from robust_metrics.bridge.config import BridgeConfig, NotifyConfig
 from robust_metrics.bridge.demarcation import node_verdict, peer_outliers
 from robust_metrics.bridge.metrics import BridgeMetrics
+from robust_metrics.bridge.plan import PlanStep
 from robust_metrics.bridge.policy import eviction_nodes
+from robust_metrics.bridge.prometheus import ACK_METRIC as SIGNAL_ACK
+from robust_metrics.bridge.prometheus import PrometheusClient, PrometheusError, promql_string
 from robust_metrics.bridge.schedulers.base import ActionResult, Scheduler, SchedulerError
-from robust_metrics.bridge.sidecars import ACK_METRIC as SIGNAL_ACK
-from robust_metrics.bridge.sidecars import SidecarClient, SidecarError, promql_string
+from robust_metrics.bridge.sidecars import SidecarClient, SidecarError
 from robust_metrics.bridge.signing import signed_request
 from robust_metrics.bridge.store import Incident, Step
 from robust_metrics.numbers import rank_order
 from robust_metrics.rankfolder.identity import rank_info as identity_rank_info
 
-__all__ = ["Actions", "Interrupted", "Notifier", "Outcome", "StepContext"]
+__all__ = ["HANDLERS", "Actions", "Interrupted", "Notifier", "Outcome", "StepContext"]
 
 log = logging.getLogger(__name__)
 RUN_STOP = schema.RUN_STOP_TIMESTAMP.name
@@ -64,13 +68,20 @@ class Interrupted(Exception):
 
 @dataclass
 class StepContext:
+    """One step as the engine hands it to its action: the incident, the planned step (given in
+    its stored form, it is read into a `PlanStep`), a way to save progress durably, and what a
+    previous attempt saved."""
+
     incident: Incident
     idx: int
-    spec: dict[str, Any]
+    spec: PlanStep
     save: Callable[[Mapping[str, Any]], None]
     data: dict[str, Any] = field(default_factory=dict)
     resumed: bool = False
     earlier: Sequence[Step] = ()  # the incident's steps before this one, as recorded
+
+    def __post_init__(self) -> None:
+        self.spec = PlanStep.from_dict(self.spec)
 
     @property
     def key(self) -> str:
@@ -79,11 +90,11 @@ class StepContext:
 
     @property
     def options(self) -> dict[str, Any]:
-        return dict(self.spec.get("options") or {})
+        return dict(self.spec.options)
 
     @property
     def dry_run(self) -> bool:
-        return bool(self.spec.get("dry_run"))
+        return self.spec.dry_run
 
 
 @dataclass(frozen=True)
@@ -140,27 +151,33 @@ class Actions:
 
     def __init__(self, config: BridgeConfig, sidecars: SidecarClient,
                  schedulers: Mapping[str, Scheduler], metrics: BridgeMetrics,
-                 stop: threading.Event | None = None) -> None:
+                 stop: threading.Event | None = None,
+                 prometheus: PrometheusClient | None = None) -> None:
         self.config = config
         self.sidecars = sidecars
+        self.prometheus = prometheus  # None: prometheus.url is not set
         self.schedulers = schedulers
         self.metrics = metrics
         self.notifier = Notifier(config.notify) if config.notify else None
         self.stop = stop or threading.Event()
         self._suspects: dict[str, set[tuple[str, str]]] = {}  # run -> (rank, node) now at 1
+        self._unscraped_warned = threading.Event()  # the stop notice's warning, given once
 
     # ------------------------------------------------------------------ dispatch
     def run(self, ctx: StepContext) -> Outcome:
-        kind = ctx.spec["type"]
+        kind = ctx.spec.kind
         if kind in ("checkpoint", "dump_stacks", "restart") and not ctx.incident.run:
             return Outcome("failed", f"{kind} needs the alert's `{self.config.run_label}` label "
                            "(the training job); this alert has none")
-        handler = getattr(self, f"_{kind}")
+        handler = HANDLERS.get(kind)
+        if handler is None:  # a plan stored by a bridge that knows more actions
+            return Outcome("failed", f"unknown action {kind!r} (this bridge runs "
+                           f"{', '.join(HANDLERS)})")
         try:
-            return handler(ctx)  # type: ignore[no-any-return]
+            return handler(self, ctx)
         except Interrupted:
             raise
-        except (SchedulerError, SidecarError) as exc:
+        except (SchedulerError, SidecarError, PrometheusError) as exc:
             return Outcome("failed", str(exc), ctx.data)
         except Exception as exc:  # an action bug fails the step, not the bridge
             log.exception("action %s of incident %s failed", kind, ctx.incident.key)
@@ -174,8 +191,8 @@ class Actions:
         if step.action in ("dump_stacks", "selftest"):
             return True
         if step.action in ("restart", "drain_node"):
-            plan = incident.plan[step.idx] if step.idx < len(incident.plan) else {}
-            scheduler = self.schedulers.get((plan.get("options") or {}).get("scheduler") or "")
+            options = incident.plan[step.idx].options if step.idx < len(incident.plan) else {}
+            scheduler = self.schedulers.get(options.get("scheduler") or "")
             if scheduler is None or step.action == "drain_node":
                 return False
             return scheduler.completed(incident.run, f"{incident.key}#{step.idx}") is not None
@@ -184,7 +201,7 @@ class Actions:
     def _scheduler(self, ctx: StepContext, name: str | None = None) -> tuple[str, Scheduler]:
         name = name or ctx.options.get("scheduler") or self.config.default_scheduler
         if not name or name not in self.schedulers:
-            raise SchedulerError(f"no scheduler {name!r} configured for {ctx.spec['type']}")
+            raise SchedulerError(f"no scheduler {name!r} configured for {ctx.spec.kind}")
         return name, self.schedulers[name]
 
     def _reason(self, ctx: StepContext) -> str:
@@ -206,7 +223,7 @@ class Actions:
             return None
         plan = ctx.incident.plan
         if ctx.options.get("before_restart") and ctx.idx + 1 < len(plan):
-            after = (plan[ctx.idx + 1].get("options") or {}).get("scheduler")
+            after = plan[ctx.idx + 1].options.get("scheduler")
             if after:
                 return str(after)
         return self.config.default_scheduler
@@ -286,7 +303,7 @@ class Actions:
                 return Outcome("failed", result.detail, data)
             data["detail"] = result.detail
         sent = str(data.get("detail") or f"{data['signal']} sent to run {run} through {name}")
-        if not self.sidecars.prometheus_url:
+        if self.prometheus is None:
             if not data.get("delivered"):
                 return Outcome("failed", f"the bridge stopped while sending {data['signal']} to "
                                f"run {run}; whether it arrived is unknown (no prometheus.url to "
@@ -297,19 +314,20 @@ class Actions:
 
     def _checkpoint_ids(self, run: str) -> dict[str, float]:
         """rank -> newest checkpoint request id each rank of the run acknowledged (0: none)."""
-        if not self.sidecars.prometheus_url:
+        if self.prometheus is None:
             return {}
-        return self.sidecars.checkpoint_ids(run)
+        return self.prometheus.checkpoint_ids(run)
 
     def _await_checkpoint_ids(self, ctx: StepContext, data: dict[str, Any],
                               sent: str) -> Outcome:
         run = ctx.incident.run
         before: dict[str, float] = dict(data.get("before") or {})
         deadline = float(data.get("deadline", time.time()))
+        assert self.prometheus is not None  # the caller returned without one
         while True:
             try:
-                now = self.sidecars.checkpoint_ids(run)
-            except SidecarError as exc:
+                now = self.prometheus.checkpoint_ids(run)
+            except PrometheusError as exc:
                 now, why = {}, str(exc)
             else:
                 why = f"Prometheus shows no {SIGNAL_ACK} of run {run}"
@@ -456,7 +474,7 @@ class Actions:
             self.metrics.run_stop_end.labels(run=run).set(time.time())
         return Outcome("success" if result.ok else "failed", result.detail,
                        {"scheduler": name, **result.data, "stop_notice": notice,
-                        "highest_step": ctx.spec.get("highest_step")})
+                        "highest_step": ctx.spec.highest_step})
 
     def _announce_stop(self, run: str, timeout_s: float) -> str:
         """Publish that the bridge is about to stop `run`, and wait (at most `timeout_s`) until
@@ -464,23 +482,52 @@ class Actions:
         a crash, because the notice is stored before the first exit can be."""
         began = time.time()
         self.metrics.run_stop.labels(run=run).set(began)
-        if not self.sidecars.prometheus_url:
+        if self.prometheus is None:
             return "published; not awaited (prometheus.url is not set)"
         floor = f"{began - 0.001:.3f}"  # printed, never rounded above what was set
         promql = f"{RUN_STOP}{{run={promql_string(run)}}} >= {floor}"
+        unscraped: str | None = None  # why no scrape will deliver it; asked after a first miss
         while True:
             try:
-                if self.sidecars.query(promql):
+                if self.prometheus.query(promql):
                     return f"seen by Prometheus after {time.time() - began:.1f} s"
-            except SidecarError as exc:
+            except PrometheusError as exc:
                 log.warning("stop notice of run %s: %s", run, exc)
+            if unscraped is None:
+                unscraped = self._notice_unscraped(run, timeout_s)
             if time.time() - began >= timeout_s:
-                return f"not seen by Prometheus within {timeout_s:g} s; stopped anyway"
+                return (f"not seen by Prometheus within {timeout_s:g} s; stopped anyway"
+                        + (f" ({unscraped})" if unscraped else ""))
             if self.stop.wait(0.25):
                 raise Interrupted()
 
+    def _notice_unscraped(self, run: str, timeout_s: float) -> str:
+        """Why no scrape will deliver the stop notice ('' when one may, or when Prometheus
+        cannot say); the first time, a warning that says why the restart waits and the fix."""
+        assert self.prometheus is not None
+        try:
+            if self.prometheus.scraped(RUN_STOP):
+                return ""
+        except PrometheusError as exc:  # e.g. a backend without the metadata API: no verdict
+            log.debug("stop notice of run %s: cannot tell whether the bridge is scraped: %s",
+                      run, exc)
+            return ""
+        why = f"no target of Prometheus exposes {RUN_STOP}: the bridge is not scraped"
+        if not self._unscraped_warned.is_set():
+            self._unscraped_warned.set()
+            log.warning(
+                "restart of run %s waits %g s (notice_timeout_s) for Prometheus to store the "
+                "bridge's stop notice (%s), which tells the rules that the exits that follow "
+                "were asked for, not crashes; but Prometheus at %s scrapes no target that "
+                "exposes it, so every restart waits the whole timeout and RankExited may fire "
+                "for its exits. Fix: add the bridge's /metrics (http://%s:%d/metrics, with its "
+                "credentials if auth.protect_metrics is set) to Prometheus's scrape_configs; "
+                "see 'The stop notice' in docs/bridge.md. Said once.", run, timeout_s, RUN_STOP,
+                self.prometheus.url, self.config.host, self.config.port)
+        return why
+
     def _drain_node(self, ctx: StepContext) -> Outcome:
-        if ctx.spec.get("over_evict"):
+        if ctx.spec.over_evict:
             return self._over_evict(ctx)
         name, scheduler = self._scheduler(ctx)
         node = ctx.incident.labels.get("node")
@@ -536,6 +583,18 @@ class Actions:
         payload = {"kind": "robust-metrics-bridge", "message": message, "run": i.run,
                    "alertname": i.alertname, "incident": i.key, "step": ctx.key,
                    "labels": i.labels, "annotations": i.annotations,
-                   "escalated_from": ctx.spec.get("escalated_from")}
+                   "escalated_from": ctx.spec.escalated_from}
         result = self.notifier.send(payload, ctx.key)
         return Outcome("success" if result.ok else "failed", result.detail)
+
+
+# What runs each action: the one place an action name meets its code (config.ACTIONS declares
+# the same names and their options). A stored plan naming another fails its step, never the bridge.
+HANDLERS: dict[str, Callable[[Actions, StepContext], Outcome]] = {
+    "checkpoint": Actions._checkpoint,
+    "dump_stacks": Actions._dump_stacks,
+    "selftest": Actions._selftest,
+    "restart": Actions._restart,
+    "drain_node": Actions._drain_node,
+    "notify": Actions._notify,
+}

@@ -6,7 +6,30 @@ import argparse
 import logging
 import sys
 
-__all__ = ["configure", "run"]
+__all__ = ["configure", "configure_logging", "run"]
+
+
+class _RequestsAtDebug(logging.Filter):
+    """httpx logs every request it sends at INFO (`HTTP Request: GET .../api/v1/query ...`): the
+    ledger's Prometheus reads every `incidents.poll`, the stop notice's four a second during a
+    restart, hundreds of lines an hour that say nothing happened. They become DEBUG records, shown
+    only at `--log-level debug`; what changed (a step's outcome, a recovery note, a warning) is
+    logged by the bridge itself at INFO and above."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno != logging.INFO:
+            return True
+        record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        return logging.getLogger().isEnabledFor(logging.DEBUG)
+
+
+def configure_logging(level: str) -> None:
+    """The bridge's log: `level` for its own records, routine HTTP requests at DEBUG."""
+    logging.basicConfig(level=level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    requests = logging.getLogger("httpx")
+    if not any(isinstance(f, _RequestsAtDebug) for f in requests.filters):
+        requests.addFilter(_RequestsAtDebug())
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -23,7 +46,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--check", action="store_true",
                         help="validate the policy file and exit (0 when valid)")
     parser.add_argument("--log-level", default="info",
-                        choices=["debug", "info", "warning", "error"])
+                        choices=["debug", "info", "warning", "error"],
+                        help="info: what the bridge decided and did; debug adds every HTTP "
+                        "request it sends (Prometheus polls) and the access log")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -31,8 +56,7 @@ def run(args: argparse.Namespace) -> int:
 
     from robust_metrics.bridge.config import ConfigError, load
 
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level)
     try:
         config = load(args.config)
     except ConfigError as exc:
@@ -47,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
         from robust_metrics.bridge.schedulers import base
 
         for s in config.schedulers.values():
-            base.create(s.type, s.options)
+            s.create()
     except (ConfigError, base.SchedulerError) as exc:
         print(f"robust-metrics bridge: invalid scheduler config: {exc}", file=sys.stderr)
         return 2

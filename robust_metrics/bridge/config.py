@@ -12,12 +12,15 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from robust_metrics.configuration import ConfigError, resolve_secret
 from robust_metrics.sidecar.config import DEFAULT_PORT as SIDECAR_PORT
+
+if TYPE_CHECKING:
+    from robust_metrics.bridge.schedulers.base import Scheduler
 
 __all__ = [
     "ACTIONS",
@@ -94,9 +97,20 @@ class NotifyConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
+    """One entry of `schedulers`: its adapter type, the adapter's own keys, and the folder its
+    relative paths resolve against (the policy file's)."""
+
     name: str
     type: str
     options: Mapping[str, Any]
+    base_dir: Path = Path(".")
+
+    def create(self) -> Scheduler:
+        """The adapter as the bridge builds it: every user of the policy (the bridge, `--check`,
+        `robust-metrics job`) builds it here, so all of them share its state."""
+        from robust_metrics.bridge.schedulers import base
+
+        return base.create(self.type, self.options, self.base_dir)
 
 
 @dataclass(frozen=True)
@@ -242,7 +256,7 @@ _ACTION_OPTIONS: dict[str, dict[str, tuple[str, Any]]] = {
     "drain_node": {"scheduler": ("scheduler", None)},
     "notify": {"message": ("str", None)},
 }
-# The action names, declared once: the keys above (each is a method `_<name>` of bridge.Actions).
+# The action names, declared once: the keys above (each runs through `actions.HANDLERS`).
 ACTIONS: tuple[str, ...] = tuple(_ACTION_OPTIONS)
 
 
@@ -394,8 +408,7 @@ def _schedulers(raw: Any, base: Path) -> dict[str, SchedulerConfig]:
         if kind not in sched_base.names():
             raise ConfigError(f"{where}.type: unknown scheduler type {kind!r} "
                               f"(choose one of {', '.join(sched_base.names())})")
-        data.setdefault("_base_dir", str(base))
-        out[name] = SchedulerConfig(name, kind, data)
+        out[name] = SchedulerConfig(name, kind, data, base)
     return out
 
 

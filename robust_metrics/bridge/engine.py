@@ -20,6 +20,7 @@ from robust_metrics.bridge.actions import Actions, Interrupted, Outcome, StepCon
 from robust_metrics.bridge.config import ACTIONS, BridgeConfig
 from robust_metrics.bridge.ledger import highest_step
 from robust_metrics.bridge.metrics import BridgeMetrics
+from robust_metrics.bridge.plan import PlanStep
 from robust_metrics.bridge.store import ActionStore, Incident, Step
 
 __all__ = ["Engine"]
@@ -42,6 +43,9 @@ class Engine:
         self._horizon_s = policy.history_horizon_s(config)
         # run -> the ledger's finding that its non-finite value persists (set by the service)
         self.nan_finding: Callable[[str], str | None] | None = None
+        # (run, incident id, now) -> why the verdict on an earlier NaN restart of the run is
+        # awaited (set by the service)
+        self.nan_pending: Callable[[str, int, float], str | None] | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def recover(self) -> list[str]:
@@ -93,7 +97,7 @@ class Engine:
                                                    "internal error; see log")
                 elif decision.verdict == "skip":
                     for spec in decision.plan:
-                        self.metrics.action(incident.run, spec["type"], "skipped", None)
+                        self.metrics.action(incident.run, spec.kind, "skipped", None)
                     log.info("incident %s skipped: %s", incident.key, decision.reason)
                 self.wake()  # another run's incident may now be claimable
                 continue
@@ -105,21 +109,24 @@ class Engine:
     # ------------------------------------------------------------------ one incident
     def _decide(self, incident: Incident, history: policy.History,
                 now: float) -> policy.Decision:
-        if any(step["type"] == "restart" for step in incident.plan):
+        if any(step.kind == "restart" for step in incident.plan):
             history = dataclasses.replace(history, highest_step=self._highest_step(incident.run))
             if self.nan_finding is not None:
                 history = dataclasses.replace(history,
                                               persistent_nan=self.nan_finding(incident.run))
+            if self.nan_pending is not None:
+                history = dataclasses.replace(history, nan_pending=self.nan_pending(
+                    incident.run, incident.id, now))
         return policy.decide(self.config, policy.AlertFacts(incident.labels, incident.starts_at),
                              history, now)
 
     def _highest_step(self, run: str) -> float | None:
         """The run's highest step now (the crash-loop guard's evidence); None when unknown."""
-        sidecars = self.actions.sidecars
-        if self.config.incidents.crash_loop_restarts <= 0 or not sidecars.prometheus_url:
+        prometheus = self.actions.prometheus
+        if self.config.incidents.crash_loop_restarts <= 0 or prometheus is None:
             return None
         try:
-            return highest_step(sidecars.query, run, self.config.incidents.lookback_s)
+            return highest_step(prometheus.query, run, self.config.incidents.lookback_s)
         except Exception as exc:  # no evidence: the guard stays open, the budget still holds
             log.warning("highest step of run %s unknown: %s", run, exc)
             return None
@@ -138,7 +145,7 @@ class Engine:
                     return
                 if idx >= len(plan):
                     return  # _finish closed the incident with its last step
-            elif last.status == "failed" and not plan[last.idx].get("continue_on_error"):
+            elif last.status == "failed" and not plan[last.idx].continue_on_error:
                 self.store.finish_incident(incident.id, "failed",
                                            f"step {last.idx} ({last.action}): {last.detail}")
                 return
@@ -146,36 +153,36 @@ class Engine:
             self.store.finish_incident(incident.id, "done")
         while idx < len(plan):
             spec = plan[idx]
-            if spec.get("escalated_from"):  # the restart the budget turned into a notify
-                self.metrics.action(incident.run, spec["escalated_from"], "skipped", None)
-            self.store.start_step(incident.id, idx, spec["type"])
+            if spec.escalated_from:  # the restart the budget turned into a notify
+                self.metrics.action(incident.run, spec.escalated_from, "skipped", None)
+            self.store.start_step(incident.id, idx, spec.kind)
             if not self._finish(incident, plan, idx,
                                 self._run_step(incident, spec, idx, None, resumed=False)):
                 return
             idx += 1
 
-    def _run_step(self, incident: Incident, spec: Mapping[str, Any], idx: int,
+    def _run_step(self, incident: Incident, spec: PlanStep, idx: int,
                   step: Step | None, *, resumed: bool) -> tuple[Outcome, float]:
         t0 = time.monotonic()
-        if spec.get("skip"):  # decided by the policy (the restart after it is over budget)
-            return Outcome("skipped", str(spec["skip"])), 0.0
+        if spec.skip:  # decided by the policy (the restart after it is over budget)
+            return Outcome("skipped", spec.skip), 0.0
 
         def save(data: Mapping[str, Any]) -> None:
             self.store.save_step_data(incident.id, idx, data)
 
         earlier = [s for s in self.store.steps(incident.id) if s.idx < idx]
-        ctx = StepContext(incident, idx, dict(spec), save, dict(step.data) if step else {},
+        ctx = StepContext(incident, idx, spec, save, dict(step.data) if step else {},
                           resumed, earlier)
         outcome = self.actions.run(ctx)
         return outcome, time.monotonic() - t0
 
-    def _finish(self, incident: Incident, plan: list[dict[str, Any]], idx: int,
+    def _finish(self, incident: Incident, plan: list[PlanStep], idx: int,
                 result: tuple[Outcome, float]) -> bool:
         """Record the step; False when the chain stops here."""
         outcome, seconds = result
         spec = plan[idx]
-        action = spec["type"]
-        stops = outcome.status == "failed" and not spec.get("continue_on_error")
+        action = spec.kind
+        stops = outcome.status == "failed" and not spec.continue_on_error
         closing = "failed" if stops else "done" if idx == len(plan) - 1 else None
         self.store.finish_step(incident.id, idx, outcome.status, outcome.detail, outcome.data,
                                incident_status=closing,

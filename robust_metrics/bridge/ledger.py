@@ -214,7 +214,7 @@ def outcome_of(incident: Incident, steps: Sequence[Step]) -> str:
     own closing status (skipped, ignored)."""
     if incident.status in ("skipped", "ignored"):
         return incident.status
-    if any(step.get("guard") == "crash_loop" for step in incident.plan):
+    if any(step.guard == "crash_loop" for step in incident.plan):
         return "crash_loop"
     if any(s.action == "restart" and s.status == "success" for s in steps):
         return "restart"
@@ -421,6 +421,35 @@ class Ledger:
         """The ledger's finding that the run's non-finite value persists, or None."""
         with self._persistent_lock:
             return self._persistent.get(run)
+
+    def pending_nan(self, run: str, incident_id: int, now: float | None = None) -> str | None:
+        """Why the verdict on an earlier non-finite value of `run` is still awaited, or None.
+
+        Read from the action log itself, not from this ledger's entries: an alert that fires
+        again as the restarted ranks come back arrives before the ledger's next pass has even
+        entered the restart. An incident of `incidents.nan_alert_re` whose restart succeeded
+        is awaited until its entry is final (a verdict, or no recovery within
+        `incidents.recover_timeout`). Without Prometheus no verdict comes: nothing is awaited.
+        Runs inside a decision's transaction, so it reads without opening one.
+        """
+        if self.query is None:
+            return None
+        now = time.time() if now is None else now
+        with self.store.reading() as db:
+            rows = db.execute(
+                "SELECT i.id, i.alertname, MAX(s.finished) FROM incidents i "
+                "JOIN steps s ON s.incident_id = i.id "
+                "LEFT JOIN ledger l ON l.incident_id = i.id "
+                "WHERE i.run = ? AND i.id != ? AND s.action = 'restart' "
+                "AND s.status = 'success' AND (l.final IS NULL OR l.final = 0) "
+                "GROUP BY i.id ORDER BY i.id DESC", (run, incident_id)).fetchall()
+        for other, alertname, finished in rows:
+            if (self.config.incidents.nan_alert_re.fullmatch(alertname) and finished is not None
+                    and now - finished <= self.config.incidents.recover_timeout_s):
+                return (f"the verdict on the non-finite value of incident {other} ({alertname}) "
+                        "is awaited: the run has not met its step again since that restart; "
+                        "another restart would only replay it")
+        return None
 
     def _nan_evidence(self, incident: Incident, acted: float, now: float,
                       ) -> tuple[NanEvidence, dict[str, Any]]:

@@ -25,6 +25,13 @@ what the action log says about the alert's run, with no HTTP, SQL or clock insid
    back at the same step after a restart (`bridge.numerics`), a restart for another alert of
    non-finite values (`incidents.nan_alert_re`) would replay it: it becomes a `notify` that
    names the step and rank, marked `guard: nan_persistent`.
+8. **pending non-finite verdict**: while the run has been restarted for a non-finite value and
+   the ledger has not yet judged it (the run has not met the bad step again), a restart for
+   another such alert is skipped, marked `guard: nan_pending`. The alert is the same value
+   seen again (an alert that resolved while the ranks restarted and fired again when they came
+   back, with a new startsAt) or its recurrence, which the ledger is about to judge: another
+   restart could only replay it before the verdict, and the verdict itself tells people or
+   tests the node.
 
 The bridge calls `decide` when an alert arrives (to record its rule, plan and due time) and again
 when a worker claims it, inside the store's transaction, with the run's history read in that
@@ -34,11 +41,12 @@ transaction; the store only persists the verdict.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from robust_metrics.bridge.config import ActionSpec, BridgeConfig, Rule
+from robust_metrics.bridge.config import BridgeConfig, Rule
 from robust_metrics.bridge.payload import parse_time
+from robust_metrics.bridge.plan import PlanStep
 
 __all__ = ["AlertFacts", "Decision", "History", "build_plan", "crash_loop", "decide",
            "eviction_nodes", "history_horizon_s",
@@ -69,13 +77,16 @@ class History:
     restart_steps: Sequence[float | None] = ()
     highest_step: float | None = None
     persistent_nan: str | None = None  # the ledger's finding, when the run has one
+    nan_pending: str | None = None  # why the ledger's verdict on an earlier NaN restart is awaited
 
 
 @dataclass(frozen=True)
 class Decision:
+    """The verdict on an alert instance, the rule that matched, and the plan decided for it."""
+
     verdict: Verdict
     rule: str | None
-    plan: list[dict[str, Any]]
+    plan: list[PlanStep]
     not_before: float
     reason: str = ""
 
@@ -97,42 +108,46 @@ def is_hang(config: BridgeConfig, labels: Mapping[str, str]) -> bool:
             or bool(config.hang_alert_re.fullmatch(labels.get("alertname", ""))))
 
 
-def build_plan(config: BridgeConfig, rule: Rule, labels: Mapping[str, str]) -> list[dict[str, Any]]:
+def build_plan(config: BridgeConfig, rule: Rule, labels: Mapping[str, str]) -> list[PlanStep]:
     """The rule's chain with defaults filled in: each step names its scheduler and dry-run mode."""
     hung = is_hang(config, labels)
-    plan: list[dict[str, Any]] = []
+    dry = config.dry_run or rule.dry_run
+    plan: list[PlanStep] = []
     for spec in rule.actions:
         options = dict(spec.options)
         if spec.type in ("restart", "drain_node"):
             options["scheduler"] = options.get("scheduler") or rule.scheduler
         if spec.type == "restart" and options.get("checkpoint_first") and not hung:
-            plan.append(ActionSpec(
-                "checkpoint", continue_on_error=not options.get("require_checkpoint", False),
-                options={"timeout_s": options.get("checkpoint_timeout_s", 120.0),
-                         "at_step": None, "before_restart": True}).to_dict())
-        plan.append(ActionSpec(spec.type, spec.continue_on_error, options).to_dict())
+            plan.append(PlanStep(
+                "checkpoint", {"timeout_s": options.get("checkpoint_timeout_s", 120.0),
+                               "at_step": None, "before_restart": True},
+                continue_on_error=not options.get("require_checkpoint", False), dry_run=dry))
+        plan.append(PlanStep(spec.type, options, spec.continue_on_error, dry_run=dry))
     if config.incidents.over_eviction and hung and not labels.get("node"):
-        plan = _over_evict(plan)
-    dry = config.dry_run or rule.dry_run
-    for step in plan:
-        step["dry_run"] = dry
+        plan = _over_evict(plan, dry)
     return plan
 
 
-def _over_evict(plan: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _over_evict(plan: list[PlanStep], dry: bool) -> list[PlanStep]:
     """Drain steps take their nodes from the suspects of a stack dump taken before them."""
-    out: list[dict[str, Any]] = []
+    out: list[PlanStep] = []
     dumped = False
     for step in plan:
-        if step["type"] == "dump_stacks":
+        if step.kind == "dump_stacks":
             dumped = True
-        if step["type"] == "drain_node":
+        if step.kind == "drain_node":
             if not dumped:
-                out.append(ActionSpec("dump_stacks").to_dict())
+                out.append(PlanStep("dump_stacks", dry_run=dry))
                 dumped = True
-            step = {**step, "over_evict": True}
+            step = replace(step, over_evict=True)
         out.append(step)
     return out
+
+
+def _escalation(step: PlanStep, message: str, guard: str | None = None) -> PlanStep:
+    """The notify that replaces a refused step (a restart past the budget or a guard)."""
+    return PlanStep("notify", {"message": message}, dry_run=step.dry_run,
+                    escalated_from=step.kind, guard=guard)
 
 
 def eviction_nodes(suspects: Sequence[Mapping[str, Any]]) -> tuple[list[str], list[str]]:
@@ -167,32 +182,32 @@ def _cooldown(rule: Rule, run: str, log: History, now: float) -> str | None:
             f"(incident {last[0]}; cooldown {rule.cooldown_s:.0f}s)")
 
 
-def _budget(config: BridgeConfig, plan: list[dict[str, Any]], run: str, alertname: str,
-            log: History, now: float) -> list[dict[str, Any]]:
+def _before_restart(step: PlanStep) -> bool:
+    return step.kind == "checkpoint" and step.before_restart
+
+
+def _budget(config: BridgeConfig, plan: list[PlanStep], run: str, alertname: str,
+            log: History, now: float) -> list[PlanStep]:
     """Restarts past the budget become notify escalations; their checkpoint is skipped."""
     window = config.restart_window_s
     used = sum(1 for t in log.restarts if t >= now - window)
-    out: list[dict[str, Any]] = []
+    out: list[PlanStep] = []
     for step in plan:
-        before_restart = step["type"] == "checkpoint" and (step.get("options") or {}).get(
-            "before_restart")
-        if step["type"] != "restart" and not before_restart:
+        if step.kind != "restart" and not _before_restart(step):
             out.append(step)
             continue
         if used < config.restart_budget:
-            if step["type"] == "restart":
+            if step.kind == "restart":
                 used += 1
             out.append(step)
             continue
         why = (f"restart budget exhausted: {used} restarts of run {run} in the last "
                f"{window:.0f}s (limit {config.restart_budget})")
-        if before_restart:
-            out.append({**step, "skip": why})
+        if _before_restart(step):
+            out.append(replace(step, skip=why))
         else:
-            out.append({"type": "notify", "continue_on_error": False,
-                        "dry_run": step.get("dry_run"), "escalated_from": "restart",
-                        "options": {"message": f"{why}; escalating instead of restarting "
-                                    f"({alertname})"}})
+            out.append(_escalation(step, f"{why}; escalating instead of restarting "
+                                         f"({alertname})"))
     return out
 
 
@@ -208,49 +223,55 @@ def crash_loop(config: BridgeConfig, log: History) -> str | None:
             f"last {n} restarts")
 
 
-def _crash_loop_guard(config: BridgeConfig, plan: list[dict[str, Any]], run: str,
-                      alertname: str, log: History) -> list[dict[str, Any]]:
+def _crash_loop_guard(config: BridgeConfig, plan: list[PlanStep], run: str,
+                      alertname: str, log: History) -> list[PlanStep]:
     """Restarts of a run in a crash loop become notify escalations; each restart that stays
     records the highest step it saw, the evidence the next decision reads."""
     why = crash_loop(config, log)
-    out: list[dict[str, Any]] = []
+    out: list[PlanStep] = []
     for step in plan:
-        if step["type"] != "restart":
+        if step.kind != "restart":
             out.append(step)
         elif why is None:
             out.append(step if log.highest_step is None
-                       else {**step, "highest_step": log.highest_step})
+                       else replace(step, highest_step=log.highest_step))
         else:
-            out.append({"type": "notify", "continue_on_error": False,
-                        "dry_run": step.get("dry_run"), "escalated_from": "restart",
-                        "guard": "crash_loop",
-                        "options": {"message": f"run {run}: {why}; not restarting it again "
-                                    f"({alertname}); the job itself is likely at fault"}})
+            out.append(_escalation(step, f"run {run}: {why}; not restarting it again "
+                                         f"({alertname}); the job itself is likely at fault",
+                                   guard="crash_loop"))
     if why is not None:  # the checkpoint before the refused restart is not needed
-        out = [({**s, "skip": why} if s["type"] == "checkpoint" and (s.get("options") or {})
-                .get("before_restart") else s) for s in out]
+        out = [replace(s, skip=why) if _before_restart(s) else s for s in out]
     return out
 
 
-def _nan_guard(config: BridgeConfig, plan: list[dict[str, Any]], run: str, alertname: str,
-               log: History) -> list[dict[str, Any]]:
+def _nan_guard(config: BridgeConfig, plan: list[PlanStep], run: str, alertname: str,
+               log: History) -> list[PlanStep]:
     """A restart for a non-finite value the run is known to replay becomes a notify."""
     if not log.persistent_nan or not config.incidents.nan_alert_re.fullmatch(alertname):
         return plan
     why = log.persistent_nan
-    out: list[dict[str, Any]] = []
+    out: list[PlanStep] = []
     for step in plan:
-        if step["type"] == "restart":
-            out.append({"type": "notify", "continue_on_error": False,
-                        "dry_run": step.get("dry_run"), "escalated_from": "restart",
-                        "guard": "nan_persistent",
-                        "options": {"message": f"run {run}: {why}; not restarting it again "
-                                    f"({alertname}): the data or the model is at fault"}})
-        elif step["type"] == "checkpoint" and (step.get("options") or {}).get("before_restart"):
-            out.append({**step, "skip": why})
+        if step.kind == "restart":
+            out.append(_escalation(step, f"run {run}: {why}; not restarting it again "
+                                         f"({alertname}): the data or the model is at fault",
+                                   guard="nan_persistent"))
+        elif _before_restart(step):
+            out.append(replace(step, skip=why))
         else:
             out.append(step)
     return out
+
+
+def _nan_pending_guard(config: BridgeConfig, plan: list[PlanStep], alertname: str,
+                       log: History) -> list[PlanStep]:
+    """A restart for a non-finite value while the verdict on the run's last one is awaited is
+    skipped (and the checkpoint before it)."""
+    if not log.nan_pending or not config.incidents.nan_alert_re.fullmatch(alertname):
+        return plan
+    why = log.nan_pending
+    return [replace(s, skip=why, guard="nan_pending") if s.kind == "restart"
+            else replace(s, skip=why) if _before_restart(s) else s for s in plan]
 
 
 def decide(config: BridgeConfig, alert: AlertFacts, log: History, now: float) -> Decision:
@@ -271,4 +292,5 @@ def decide(config: BridgeConfig, alert: AlertFacts, log: History, now: float) ->
     plan = _nan_guard(config, plan, run, alertname, log)
     plan = _crash_loop_guard(config, plan, run, alertname, log)
     plan = _budget(config, plan, run, alertname, log, now)
+    plan = _nan_pending_guard(config, plan, alertname, log)  # a restart that stays waits
     return Decision("run", rule.name, plan, due)

@@ -19,7 +19,7 @@ from robust_metrics.bridge.engine import Engine
 from robust_metrics.bridge.ledger import Entry, Ledger, persistent_finding
 from robust_metrics.bridge.metrics import BridgeMetrics
 from robust_metrics.bridge.payload import Notification
-from robust_metrics.bridge.schedulers import base as schedulers_base
+from robust_metrics.bridge.prometheus import PrometheusClient
 from robust_metrics.bridge.sidecars import SidecarClient, SidecarError
 from robust_metrics.bridge.store import ActionStore, NewAlert
 
@@ -34,16 +34,19 @@ class Bridge:
     def __init__(self, config: BridgeConfig) -> None:
         self.config = config
         self.metrics = BridgeMetrics()
-        self.schedulers = {name: schedulers_base.create(s.type, s.options)
-                           for name, s in config.schedulers.items()}
+        self.schedulers = {name: s.create() for name, s in config.schedulers.items()}
         self.store = ActionStore(config.database)
-        self.sidecars = SidecarClient(config.sidecars, config.prometheus_url)
-        self.actions = Actions(config, self.sidecars, self.schedulers, self.metrics)
+        self.prometheus = (PrometheusClient(config.prometheus_url, config.sidecars.timeout_s)
+                           if config.prometheus_url else None)
+        self.sidecars = SidecarClient(config.sidecars, self.prometheus)
+        self.actions = Actions(config, self.sidecars, self.schedulers, self.metrics,
+                               prometheus=self.prometheus)
         self.engine = Engine(config, self.store, self.actions, self.metrics)
         self.ledger = Ledger(config, self.store, self.metrics,
-                             self.sidecars.query if config.prometheus_url else None)
+                             self.prometheus.query if self.prometheus else None)
         self.ledger.on_nan_verdict = self._on_nan_verdict
         self.engine.nan_finding = self.ledger.persistent_nan
+        self.engine.nan_pending = self.ledger.pending_nan
         self.recovery_notes: list[str] = []
 
     def _on_nan_verdict(self, entry: Entry) -> dict[str, Any]:
@@ -81,6 +84,8 @@ class Bridge:
         self.ledger.stop()
         self.engine.stop()
         self.sidecars.close()
+        if self.prometheus is not None:
+            self.prometheus.close()
         if self.actions.notifier is not None:
             self.actions.notifier.close()
         for scheduler in self.schedulers.values():

@@ -1,4 +1,4 @@
-"""Talking to the node sidecars and to Prometheus: where a run's ranks are, and what they said.
+"""Talking to the node sidecars: where a run's ranks are, and what they said.
 
 The sidecar offers `POST /control/checkpoint` (bearer token; body `{"at_step": n}`; answers
 `{"request_id": n, ...}`), `GET /debug/stacks` (`{node, ranks: [{run, rank, pid, threads, error}]}`),
@@ -10,6 +10,8 @@ from Prometheus (`robust_rank_info{run=...}`). Either way a job wrote the name: 
 the configured sidecar hosts (`SidecarEndpoints.url`) or, with `sidecars.discovery_job`, among
 the targets Prometheus scrapes in that job (service discovery the operator configured); a name
 that is neither is never contacted, so the bearer token cannot be sent where a label points.
+What this client reads from Prometheus it reads through the bridge's `PrometheusClient`, and
+reports a failure there as a `SidecarError` like any other (a step fails per node, not whole).
 """
 
 from __future__ import annotations
@@ -23,13 +25,16 @@ from urllib.parse import urlsplit
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from robust_metrics import schema
 from robust_metrics.bridge.config import SidecarEndpoints
+from robust_metrics.bridge.prometheus import (
+    ACK_METRIC,
+    INFO_METRIC,
+    PrometheusClient,
+    PrometheusError,
+    promql_string,
+)
 
-__all__ = ["SidecarClient", "SidecarError", "nodes_from_labels", "promql_string"]
-
-ACK_METRIC = schema.get("robust_checkpoint_request_id").name
-INFO_METRIC = schema.get("robust_rank_info").name
+__all__ = ["ACK_METRIC", "SidecarClient", "SidecarError", "nodes_from_labels", "promql_string"]
 TARGETS_TTL_S = 30.0  # how long a read of Prometheus's targets is reused
 TARGETS_MISS_TTL_S = 2.0  # re-read sooner for a node not found (a sidecar that just appeared)
 
@@ -43,67 +48,48 @@ def nodes_from_labels(labels: Mapping[str, str]) -> list[str]:
     return sorted({n.strip() for n in raw.split(",") if n.strip()})
 
 
-def promql_string(value: str) -> str:
-    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-
-
 class SidecarClient:
-    """HTTP client for sidecars (bearer token) and the Prometheus query API."""
+    """HTTP client for the sidecars (bearer token); Prometheus, when given, says where a run's
+    ranks are, which sidecars it scrapes and, with `ack_source: prometheus`, what they
+    acknowledged."""
 
-    def __init__(self, config: SidecarEndpoints, prometheus_url: str | None = None) -> None:
+    def __init__(self, config: SidecarEndpoints,
+                 prometheus: PrometheusClient | None = None) -> None:
         self.config = config
-        self.prometheus_url = prometheus_url.rstrip("/") if prometheus_url else None
+        self.prometheus = prometheus
         headers = {"User-Agent": "robust-metrics-bridge"}
         if config.token:
             headers["Authorization"] = f"Bearer {config.token}"
         # Redirects are not followed: a sidecar cannot forward the token elsewhere either.
         self._http = httpx.Client(timeout=config.timeout_s, headers=headers,
                                   follow_redirects=False)
-        self._prom = httpx.Client(timeout=config.timeout_s)
         self._targets_lock = threading.Lock()
         self._targets: tuple[float, list[tuple[Mapping[str, str], str]]] = (float("-inf"), [])
 
     def close(self) -> None:
         self._http.close()
-        self._prom.close()
 
-    # ------------------------------------------------------------------ Prometheus
-    def query(self, promql: str, at: float | None = None) -> list[dict[str, Any]]:
-        """An instant query, evaluated now or at unix time `at`."""
-        if not self.prometheus_url:
+    def _query(self, promql: str) -> list[dict[str, Any]]:
+        if self.prometheus is None:
             raise SidecarError("prometheus.url is not configured")
-        params = {"query": promql} if at is None else {"query": promql, "time": f"{at:.3f}"}
         try:
-            response = self._prom.get(f"{self.prometheus_url}/api/v1/query", params=params)
-            body = response.json()
-        except (httpx.HTTPError, ValueError) as exc:
-            raise SidecarError(f"Prometheus query failed: {exc!r}") from exc
-        if body.get("status") != "success":
-            raise SidecarError(f"Prometheus refused {promql!r}: {body.get('error', body)}")
-        return list(body["data"]["result"])
+            return self.prometheus.query(promql)
+        except PrometheusError as exc:
+            raise SidecarError(str(exc)) from exc
 
     def nodes(self, run: str, labels: Mapping[str, str]) -> list[str]:
         """The run's nodes: from the alert labels, else from robust_rank_info in Prometheus."""
         nodes = nodes_from_labels(labels)
         if nodes:
             return nodes
-        if not self.prometheus_url:
+        if self.prometheus is None:
             raise SidecarError(f"no node for run {run!r}: the alert has no `node` label and "
                                "prometheus.url is not configured")
-        result = self.query(f"group by (node) ({INFO_METRIC}{{run={promql_string(run)}}})")
+        result = self._query(f"group by (node) ({INFO_METRIC}{{run={promql_string(run)}}})")
         nodes = sorted({r["metric"].get("node", "") for r in result} - {""})
         if not nodes:
             raise SidecarError(f"Prometheus knows no ranks of run {run!r} ({INFO_METRIC})")
         return nodes
-
-    def checkpoint_ids(self, run: str) -> dict[str, float]:
-        """rank -> newest checkpoint request id the rank acknowledged, for every rank of the run
-        Prometheus knows (from its info series; 0 for a rank that never acknowledged one)."""
-        sel = f"{{run={promql_string(run)}}}"
-        result = self.query(f"max by (rank) ({ACK_METRIC}{sel}) or on(rank) "
-                            f"(0 * max by (rank) ({INFO_METRIC}{sel}))")
-        return {r["metric"]["rank"]: float(r["value"][1]) for r in result
-                if "rank" in r.get("metric", {})}
 
     def _scrape_targets(self, max_age_s: float) -> list[tuple[Mapping[str, str], str]]:
         """(labels, base URL) of the active targets of `sidecars.discovery_job`, kept a while."""
@@ -111,14 +97,14 @@ class SidecarClient:
             read_at, targets = self._targets
             if time.monotonic() - read_at < max_age_s:
                 return targets
+            if self.prometheus is None:
+                raise SidecarError("prometheus.url is not configured")
             try:
-                body = self._prom.get(f"{self.prometheus_url}/api/v1/targets",
-                                      params={"state": "active"}).json()
-                active = body["data"]["activeTargets"]
-            except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
-                raise SidecarError(f"Prometheus targets unreadable: {exc!r}") from exc
+                active = self.prometheus.active_targets()
+            except PrometheusError as exc:
+                raise SidecarError(str(exc)) from exc
             targets = []
-            for t in active if isinstance(active, list) else []:
+            for t in active:
                 labels, scrape = t.get("labels") or {}, urlsplit(str(t.get("scrapeUrl", "")))
                 if labels.get("job") == self.config.discovery_job and scrape.scheme in (
                         "http", "https") and scrape.hostname:
@@ -138,7 +124,7 @@ class SidecarClient:
     # ------------------------------------------------------------------ sidecar
     def _call(self, method: str, node: str, path: str, **kwargs: Any) -> httpx.Response:
         base = self.config.url(node)
-        if base is None and self.config.discovery_job and self.prometheus_url:
+        if base is None and self.config.discovery_job and self.prometheus is not None:
             base = self._discovered(node)
         if base is None:
             raise SidecarError(f"node {node!r} is not a configured sidecar host (sidecars.urls, "
@@ -199,7 +185,7 @@ class SidecarClient:
         """Whether every rank of `run` on `node` has handled request `request_id`."""
         if self.config.ack_source == "prometheus":
             sel = f"{{run={promql_string(run)}}}"
-            result = self.query(
+            result = self._query(
                 f"min by (node) ({ACK_METRIC}{sel} * on(run, rank) group_left(node) "
                 f"(max by (run, rank, node) ({INFO_METRIC}{sel})))")
             values = {r["metric"].get("node"): float(r["value"][1]) for r in result}

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from robust_metrics.bridge.payload import incident_key
+from robust_metrics.bridge.plan import PlanStep, dump_plan, load_plan
 from robust_metrics.bridge.policy import Decision, History
 
 __all__ = ["ActionLogError", "ActionStore", "Incident", "NewAlert", "Step", "incident_key"]
@@ -185,8 +186,11 @@ class NewAlert:
     labels: Mapping[str, str]
     annotations: Mapping[str, str]
     rule: str | None
-    plan: list[dict[str, Any]]
+    plan: list[PlanStep]  # given in its stored form (JSON objects), it is read into steps
     not_before: float
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "plan", load_plan(self.plan))
 
     @property
     def key(self) -> str:
@@ -221,7 +225,7 @@ class Incident:
     rule: str | None
     labels: dict[str, str]
     annotations: dict[str, str]
-    plan: list[dict[str, Any]]
+    plan: list[PlanStep]  # given in its stored form (JSON objects), it is read into steps
     status: str
     reason: str
     not_before: float
@@ -229,6 +233,9 @@ class Incident:
     started: float | None
     updated: float
     notifications: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "plan", load_plan(self.plan))
 
     def to_dict(self, steps: Iterable[Step] = ()) -> dict[str, Any]:
         return {"id": self.id, "key": self.key, "fingerprint": self.fingerprint,
@@ -243,7 +250,7 @@ def _incident(row: sqlite3.Row) -> Incident:
     return Incident(
         row["id"], row["key"], row["fingerprint"], row["starts_at"], row["run"],
         row["alertname"], row["rule"], json.loads(row["labels"]), json.loads(row["annotations"]),
-        json.loads(row["plan"]), row["status"], row["reason"], row["not_before"],
+        load_plan(json.loads(row["plan"])), row["status"], row["reason"], row["not_before"],
         row["received"], row["started"], row["updated"], row["notifications"])
 
 
@@ -334,6 +341,14 @@ class ActionStore:
         return self._tx()
 
     @contextmanager
+    def reading(self) -> Iterator[sqlite3.Connection]:
+        """The log as it stands, for reads only and without a transaction of its own, so it can
+        be used inside a decision (`claim` calls `decide` in its transaction, where
+        `transaction()` would nest)."""
+        with self._lock:
+            yield self._db
+
+    @contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
@@ -363,7 +378,7 @@ class ActionStore:
                 "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?) ON CONFLICT(key) DO NOTHING",
                 (a.key, a.fingerprint, a.starts_at, a.run, a.alertname, a.rule,
                  json.dumps(dict(a.labels), sort_keys=True),
-                 json.dumps(dict(a.annotations), sort_keys=True), json.dumps(a.plan),
+                 json.dumps(dict(a.annotations), sort_keys=True), json.dumps(dump_plan(a.plan)),
                  status, reason, a.not_before, now, now))
             if cur.rowcount == 0:
                 db.execute("UPDATE incidents SET notifications = notifications + 1 "
@@ -480,7 +495,7 @@ class ActionStore:
     def _persist(db: sqlite3.Connection, incident: Incident, decision: Decision,
                  now: float) -> dict[str, Any]:
         """Write a decision on a pending incident; returns the fields that changed."""
-        plan = json.dumps(decision.plan)
+        plan = json.dumps(dump_plan(decision.plan))
         if decision.verdict == "run":
             db.execute("UPDATE incidents SET status='running', started=?, updated=?, rule=?, "
                        "plan=? WHERE id=?", (now, now, decision.rule, plan, incident.id))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from robust_metrics.configuration import ConfigError
@@ -86,22 +87,23 @@ class Scheduler(Protocol):
 def check_keys(config: Mapping[str, Any], allowed: Iterable[str], scheduler: str) -> None:
     """Refuse keys an adapter does not know, naming them and the allowed ones (a typo in a
     policy must stop the bridge at start, not act differently at 3 a.m.)."""
-    known = set(allowed) | {"_base_dir"}  # `_base_dir` is set by the bridge, not the user
+    known = set(allowed)
     unknown = sorted(set(config) - known)
     if unknown:
         raise ConfigError(f"{scheduler} scheduler: unknown key(s) {', '.join(unknown)} "
-                          f"(allowed: {', '.join(sorted(known - {'_base_dir'}))})")
+                          f"(allowed: {', '.join(sorted(known))})")
 
 
-_FACTORIES: dict[str, Callable[[Mapping[str, Any]], Scheduler]] = {}
+# An adapter factory: the scheduler's block of the policy (without `type`) and the folder its
+# relative paths resolve against (the policy file's).
+Factory = Callable[[Mapping[str, Any], Path], Scheduler]
+_FACTORIES: dict[str, Factory] = {}
 
 
-def register(name: str) -> Callable[[Callable[[Mapping[str, Any]], Scheduler]],
-                                    Callable[[Mapping[str, Any]], Scheduler]]:
-    """Class or factory decorator: make an adapter available by `name` in the policy."""
+def register(name: str) -> Callable[[Factory], Factory]:
+    """Factory decorator: make an adapter available by `name` in the policy."""
 
-    def decorate(factory: Callable[[Mapping[str, Any]], Scheduler]) -> Callable[
-            [Mapping[str, Any]], Scheduler]:
+    def decorate(factory: Factory) -> Factory:
         _FACTORIES[name] = factory
         return factory
 
@@ -120,8 +122,9 @@ def names() -> list[str]:
     return sorted(set(_FACTORIES) | set(_BUILTIN_MODULES))
 
 
-def create(name: str, config: Mapping[str, Any]) -> Scheduler:
-    """Build the adapter called `name`; ConfigError names the valid choices or the bad key."""
+def create(name: str, config: Mapping[str, Any], base_dir: str | Path = ".") -> Scheduler:
+    """Build the adapter called `name` from its config block; relative paths in it resolve
+    against `base_dir`. ConfigError names the valid choices or the bad key."""
     if name not in _FACTORIES and name in _BUILTIN_MODULES:
         import importlib
 
@@ -130,4 +133,4 @@ def create(name: str, config: Mapping[str, Any]) -> Scheduler:
         factory = _FACTORIES[name]
     except KeyError:
         raise ConfigError(f"unknown scheduler {name!r}: choose one of {', '.join(names())}") from None
-    return factory(config)
+    return factory(config, Path(base_dir))

@@ -97,7 +97,7 @@ KINDS: dict[str, JobKind] = {
 
 _KEYS = {"kind", "namespace", "auth", "kubeconfig", "context", "restart_strategy",
          "pod_grace_period_s", "suspend_timeout_s", "node_event_namespace", "timeout_s",
-         "api_version", "_base_dir"}
+         "api_version"}
 # RFC 1123 names: what the API server accepts for jobs and nodes; checked before any request.
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
 _MESSAGE_MAX = 1024
@@ -108,9 +108,11 @@ class KubernetesScheduler:
 
     name = "kubernetes"
 
-    def __init__(self, config: Mapping[str, Any],
-                 api_client: Any | None = None) -> None:
+    def __init__(self, config: Mapping[str, Any], api_client: Any | None = None, *,
+                 base_dir: str | Path = ".") -> None:
+        """`base_dir`: the folder a relative `kubeconfig` is read from (the policy file's)."""
         check_keys(config, _KEYS, "kubernetes")
+        self.base_dir = Path(base_dir)
         kind = str(config.get("kind", "PyTorchJob"))
         if kind not in KINDS:
             raise ConfigError(f"kubernetes scheduler: `kind` is one of {', '.join(KINDS)}, "
@@ -130,8 +132,10 @@ class KubernetesScheduler:
         self.suspend_timeout_s = _number(config, "suspend_timeout_s", 300, minimum=1)
         self.timeout_s = _number(config, "timeout_s", 30, minimum=1)
         self.node_event_namespace = str(config.get("node_event_namespace", "default"))
-        self.api = api_client if api_client is not None else _api_client(config)
-        self.namespace = str(config.get("namespace") or _default_namespace(config))
+        self.api = api_client if api_client is not None else _api_client(config,
+                                                                          self.base_dir)
+        self.namespace = str(config.get("namespace")
+                             or _default_namespace(config, self.base_dir))
         for key, value in (("namespace", self.namespace),
                            ("node_event_namespace", self.node_event_namespace)):
             if not _NAME.match(value):
@@ -335,7 +339,7 @@ class KubernetesScheduler:
 
 
 # ---------------------------------------------------------------------- helpers
-def _api_client(config: Mapping[str, Any]) -> Any:
+def _api_client(config: Mapping[str, Any], base: Path) -> Any:
     """An ApiClient from the pod's service account or a kubeconfig (never the global default)."""
     from kubernetes import client
     from kubernetes import config as kube_config
@@ -353,7 +357,7 @@ def _api_client(config: Mapping[str, Any]) -> Any:
             raise ConfigError(f"kubernetes scheduler: in-cluster auth failed: {exc}") from None
         configuration.retries = 1
         return client.ApiClient(configuration)
-    path = _kubeconfig_path(config)
+    path = _kubeconfig_path(config, base)
     if not path.exists():
         raise ConfigError(f"kubernetes scheduler: kubeconfig {path} not found (set `kubeconfig`, "
                           "$KUBECONFIG, or run in a pod with `auth: in_cluster`)")
@@ -367,14 +371,13 @@ def _api_client(config: Mapping[str, Any]) -> Any:
     return api
 
 
-def _kubeconfig_path(config: Mapping[str, Any]) -> Path:
-    base = Path(str(config.get("_base_dir", ".")))
+def _kubeconfig_path(config: Mapping[str, Any], base: Path) -> Path:
     raw = config.get("kubeconfig") or os.environ.get("KUBECONFIG", "").split(os.pathsep)[0] or (
         "~/.kube/config")
     return base / Path(str(raw)).expanduser()
 
 
-def _default_namespace(config: Mapping[str, Any]) -> str:
+def _default_namespace(config: Mapping[str, Any], base: Path) -> str:
     """The namespace of the kubeconfig context, or of the pod's service account, or default."""
     sa = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
     if str(config.get("auth", "auto")) != "kubeconfig" and sa.exists():
@@ -383,7 +386,7 @@ def _default_namespace(config: Mapping[str, Any]) -> str:
         from kubernetes import config as kube_config
 
         contexts, current = kube_config.list_kube_config_contexts(
-            config_file=str(_kubeconfig_path(config)))
+            config_file=str(_kubeconfig_path(config, base)))
         chosen = next((c for c in contexts if c["name"] == config.get("context")), current)
         return str((chosen or {}).get("context", {}).get("namespace") or "default")
     except Exception:  # no kubeconfig: in-cluster without a namespace file
@@ -444,5 +447,5 @@ def _unreachable(exc: Exception) -> SchedulerError:
 
 
 @register("kubernetes")
-def _factory(config: Mapping[str, Any]) -> KubernetesScheduler:
-    return KubernetesScheduler(config)
+def _factory(config: Mapping[str, Any], base_dir: Path) -> KubernetesScheduler:
+    return KubernetesScheduler(config, base_dir=base_dir)

@@ -9,6 +9,11 @@ run name percent-encoded, so distinct runs never share a file), so a
 bridge that was killed and started again still knows which process to stop (and does not kill a
 stranger that reused the pid), and can tell whether an interrupted restart completed.
 
+`robust-metrics job start|stop|status --config bridge.yaml RUN` (`bridge/job_cli.py`) builds this
+adapter from the bridge's own policy file, so a run a person starts there is one the bridge can
+restart. Operations that change a run hold an exclusive lock on `state_dir/<run>.lock` as well as
+the adapter's thread lock, so the bridge and that command never stop or start one run at once.
+
 Config::
 
     schedulers:
@@ -27,6 +32,7 @@ Config::
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -35,7 +41,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -47,7 +53,7 @@ from robust_metrics.configuration import ConfigError
 
 __all__ = ["LocalScheduler"]
 
-_KEYS = {"command", "cwd", "env", "state_dir", "log_dir", "stop_timeout_s", "_base_dir"}
+_KEYS = {"command", "cwd", "env", "state_dir", "log_dir", "stop_timeout_s"}
 
 
 def _file_stem(run: str) -> str:
@@ -66,7 +72,9 @@ class LocalScheduler:
 
     name = "local"
 
-    def __init__(self, config: Mapping[str, Any]) -> None:
+    def __init__(self, config: Mapping[str, Any], *, base_dir: str | Path = ".") -> None:
+        """`base_dir`: the folder `cwd`, `state_dir` and `log_dir` are relative to (the policy
+        file's, so the bridge and `robust-metrics job` share one state)."""
         check_keys(config, _KEYS, "local")
         command = config.get("command")
         if isinstance(command, str):
@@ -75,7 +83,7 @@ class LocalScheduler:
                 isinstance(c, str) for c in command):
             raise ConfigError("local scheduler: `command` must be a non-empty list of strings "
                               "(or one shell-quoted string)")
-        base = Path(str(config.get("_base_dir", ".")))
+        base = Path(base_dir)
         self.command: list[str] = command
         self.cwd = str((base / str(config.get("cwd", "."))).resolve())
         env = config.get("env") or {}
@@ -92,6 +100,20 @@ class LocalScheduler:
     # ------------------------------------------------------------------ state
     def _state_path(self, run: str) -> Path:
         return self.state_dir / f"{_file_stem(run)}.json"
+
+    def log_path(self, run: str) -> Path:
+        """Where the run's output goes (appended across restarts)."""
+        return self.log_dir / f"{_file_stem(run)}.log"
+
+    @contextlib.contextmanager
+    def _locked(self, run: str) -> Iterator[None]:
+        """The run to ourselves: this adapter's threads and any other process on its state
+        (another bridge, `robust-metrics job`) wait until the operation is over."""
+        with self._lock:
+            self.state_dir.mkdir(parents=True, exist_ok=True)
+            with open(self.state_dir / f"{_file_stem(run)}.lock", "a") as handle:
+                fcntl.flock(handle, fcntl.LOCK_EX)
+                yield
 
     def state(self, run: str) -> dict[str, Any]:
         """The recorded process of `run` (empty when it was never started here)."""
@@ -138,7 +160,7 @@ class LocalScheduler:
     # ------------------------------------------------------------------ operations
     def start(self, run: str, *, key: str | None = None, reason: str = "start") -> ActionResult:
         """Start the run's command unless it is running already."""
-        with self._lock:
+        with self._locked(run):
             state = self.state(run)
             proc = self._process(state)
             if proc is not None:
@@ -152,7 +174,7 @@ class LocalScheduler:
         env = {**os.environ, **{k: v.replace("{run}", run) for k, v in self.env.items()},
                "ROBUST_METRICS_RUN": run}
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        log_path = self.log_dir / f"{_file_stem(run)}.log"
+        log_path = self.log_path(run)
         try:
             with open(log_path, "ab") as log:
                 child = subprocess.Popen(argv, cwd=self.cwd, env=env, stdout=log,
@@ -210,11 +232,12 @@ class LocalScheduler:
         return False
 
     def restart(self, run: str, reason: str, *, key: str | None = None) -> ActionResult:
-        with self._lock:
+        with self._locked(run):
             state = self.state(run)
             if not state:
                 raise SchedulerError(f"local scheduler: run {run!r} was never started by this "
-                                     "bridge; nothing to restart")
+                                     "bridge; nothing to restart (start it with 'robust-metrics "
+                                     "job start --config BRIDGE_YAML RUN', docs/bridge.md)")
             old = self._stop(run, state)
             result = self._spawn(run, state, key, reason)
         was = f"pid {old} stopped" if old else "it was not running"
@@ -234,7 +257,7 @@ class LocalScheduler:
                             f"node {node}; use the slurm, kubernetes or webhook scheduler")
 
     def cancel(self, run: str, reason: str, *, key: str | None = None) -> ActionResult:
-        with self._lock:
+        with self._locked(run):
             state = self.state(run)
             old = self._stop(run, state)
             if state:
@@ -257,5 +280,5 @@ class LocalScheduler:
 
 
 @register("local")
-def _factory(config: Mapping[str, Any]) -> LocalScheduler:
-    return LocalScheduler(config)
+def _factory(config: Mapping[str, Any], base_dir: Path) -> LocalScheduler:
+    return LocalScheduler(config, base_dir=base_dir)

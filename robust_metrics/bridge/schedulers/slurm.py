@@ -50,8 +50,7 @@ from robust_metrics.configuration import ConfigError, Secret, secret_ref
 __all__ = ["SlurmScheduler"]
 
 _KEYS = {"url", "api_version", "user", "token", "token_file", "token_env", "timeout_s",
-         "verify_tls", "signal_scope", "scontrol", "scancel", "slurm_conf", "cli_timeout_s",
-         "_base_dir"}
+         "verify_tls", "signal_scope", "scontrol", "scancel", "slurm_conf", "cli_timeout_s"}
 _JOB_ID = re.compile(r"^\d+(_\d+)?(\+\d+)?$")
 _NODE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 _API_VERSION = re.compile(r"^v0\.0\.\d+$")
@@ -63,9 +62,11 @@ class SlurmScheduler:
 
     name = "slurm"
 
-    def __init__(self, config: Mapping[str, Any]) -> None:
+    def __init__(self, config: Mapping[str, Any], *, base_dir: str | Path = ".") -> None:
+        """`base_dir`: the folder relative paths (`token_file`) are read from (the policy
+        file's)."""
         check_keys(config, _KEYS, "slurm")
-        base = Path(str(config.get("_base_dir", ".")))
+        base = Path(base_dir)
         url = config.get("url")
         if url is not None and (not isinstance(url, str) or not re.match(r"^https?://", url)):
             raise ConfigError(f"slurm scheduler: `url` must be an http(s) URL, got {url!r}")
@@ -241,5 +242,5 @@ def _positive(config: Mapping[str, Any], key: str, default: float) -> float:
 
 
 @register("slurm")
-def _factory(config: Mapping[str, Any]) -> SlurmScheduler:
-    return SlurmScheduler(config)
+def _factory(config: Mapping[str, Any], base_dir: Path) -> SlurmScheduler:
+    return SlurmScheduler(config, base_dir=base_dir)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -29,7 +30,7 @@ from robust_metrics.configuration import ConfigError, resolve_secret
 
 __all__ = ["WebhookScheduler"]
 
-_KEYS = {"url", "secret", "secret_file", "secret_env", "timeout_s", "headers", "_base_dir"}
+_KEYS = {"url", "secret", "secret_file", "secret_env", "timeout_s", "headers"}
 
 
 class WebhookScheduler:
@@ -37,14 +38,14 @@ class WebhookScheduler:
 
     name = "webhook"
 
-    def __init__(self, config: Mapping[str, Any]) -> None:
+    def __init__(self, config: Mapping[str, Any], *, base_dir: str | Path = ".") -> None:
+        """`base_dir`: the folder a relative `secret_file` is read from (the policy file's)."""
         check_keys(config, _KEYS, "webhook")
         url = config.get("url")
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
             raise ConfigError(f"webhook scheduler: `url` must be an http(s) URL, got {url!r}")
         self.url = url
-        self.secret = resolve_secret(config, "secret", "webhook scheduler",
-                                     str(config.get("_base_dir", ".")))
+        self.secret = resolve_secret(config, "secret", "webhook scheduler", base_dir)
         self.timeout_s = float(config.get("timeout_s", 10.0))
         headers = config.get("headers") or {}
         if not isinstance(headers, Mapping):
@@ -92,5 +93,5 @@ class WebhookScheduler:
 
 
 @register("webhook")
-def _factory(config: Mapping[str, Any]) -> WebhookScheduler:
-    return WebhookScheduler(config)
+def _factory(config: Mapping[str, Any], base_dir: Path) -> WebhookScheduler:
+    return WebhookScheduler(config, base_dir=base_dir)
