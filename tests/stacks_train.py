@@ -8,6 +8,11 @@ optimizer step -> `save_checkpoint` every `--checkpoint-every` steps. At `--stal
   --ckpt-stall-rank R   rank R blocks in save_checkpoint -> _flush_to_remote_storage at
                         --ckpt-stall-step (default: --stall-step; the checkpoint comes after the
                         step's all_reduce, so use an earlier step to combine it with a data stall)
+  --compute-stall-rank R
+                        rank R computes forever in load_batch -> _retry_bad_batch (its stack
+                        moves: new locals on every sample, unlike a rank that sleeps)
+  --ddp                 wrap the model in DistributedDataParallel: gradients are reduced inside
+                        backward (C++), so a waiting rank shows no torch.distributed frame
   --deadlock            every rank enters an all_reduce on one of two process groups, split in
                         half, so all of them wait in the same collective and nobody is elsewhere
 
@@ -35,9 +40,22 @@ def _read_from_slow_storage(rank: int) -> None:
         time.sleep(0.5)
 
 
-def load_batch(step: int, rank: int, stall: bool, generator: torch.Generator) -> torch.Tensor:
+def _retry_bad_batch(rank: int) -> None:
+    print(f"rank {rank}: stalled in compute", flush=True)
+    x = torch.randn(64, 64)
+    attempt = 0
+    while True:
+        attempt += 1
+        x = torch.tanh(x @ x)
+        time.sleep(0.01)  # a busy rank, but gentle on a shared CPU
+
+
+def load_batch(step: int, rank: int, stall: bool, generator: torch.Generator,
+               spin: bool = False) -> torch.Tensor:
     if stall:
         _read_from_slow_storage(rank)
+    if spin:
+        _retry_bad_batch(rank)
     return torch.randn(32, 64, generator=generator)
 
 
@@ -73,9 +91,11 @@ def main() -> None:
     p.add_argument("--stall-step", type=int, default=5)
     p.add_argument("--data-stall-rank", type=int, default=-1)
     p.add_argument("--ckpt-stall-rank", type=int, default=-1)
+    p.add_argument("--compute-stall-rank", type=int, default=-1)
     p.add_argument("--ckpt-stall-step", type=int, default=-1)
     p.add_argument("--checkpoint-every", type=int, default=5)
     p.add_argument("--deadlock", action="store_true")
+    p.add_argument("--ddp", action="store_true")
     args = p.parse_args()
     if args.ckpt_stall_step < 0:
         args.ckpt_stall_step = args.stall_step
@@ -83,7 +103,9 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     halves = [dist.new_group(list(range(world))) for _ in range(2)]
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
+    model: nn.Module = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
+    if args.ddp:
+        model = nn.parallel.DistributedDataParallel(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     handle = None
     if os.environ.get("ROBUST_METRICS_DIR"):
@@ -97,10 +119,12 @@ def main() -> None:
         at_stall = step == args.stall_step
         if at_stall and args.deadlock:
             _exchange(rank, halves[0] if rank < world // 2 else halves[1])
-        x = load_batch(step, rank, at_stall and rank == args.data_stall_rank, generator)
+        x = load_batch(step, rank, at_stall and rank == args.data_stall_rank, generator,
+                       at_stall and rank == args.compute_stall_rank)
         loss = model(x).pow(2).mean()
         loss.backward()
-        sync_gradients(model)
+        if not args.ddp:
+            sync_gradients(model)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         ckpt_stall = step == args.ckpt_stall_step and rank == args.ckpt_stall_rank

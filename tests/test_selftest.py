@@ -261,6 +261,51 @@ def test_the_command_rejects_bad_options(args: list[str], message: str,
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("spec", "message"), [
+    ("compute:slow=abc", "slow='abc' is not a number of seconds"),
+    ("memory:offset=zz", "offset='zz' must be a whole number >= 0"),
+    ("communication:rank=x;delay=0.05", "rank='x' must be a whole number >= 0"),
+    ("communication:rank=1;delay=soon", "delay='soon' is not a number of seconds"),
+    ("compute:slow=nan", "must be a number of seconds in [0, 60]"),
+    ("compute:slow=-1", "must be a number of seconds in [0, 60]"),
+    ("compute:slow=inf", "must be a number of seconds in [0, 60]"),
+    ("communication:rank=0;delay=1e400", "must be a number of seconds in [0, 60]"),
+    ("compute:slow=3600", "must be a number of seconds in [0, 60]"),
+    ("memory:offset=-1", "must be a whole number >= 0"),
+    ("memory:offset=1.5", "must be a whole number >= 0"),
+    ("memory:offset=" + "9" * 5000, "must be a whole number >= 0"),
+    ("communication:rank=\u0661", "must be a whole number >= 0"),  # an Arabic-Indic digit
+    ("compute:slow", "needs a value"),
+    ("compute:slow=", "needs a value"),
+    ("compute:fast=1", "unknown parameter 'fast' of compute (known: slow)"),
+    ("gpu:xid=79", "unknown parameter 'xid' of gpu (known: none)"),
+    ("memory:offset=1\nrm -rf", "must be a whole number >= 0"),
+    ("communication:rank=7", "no such rank in a group of 2"),
+    ("nope", "unknown check 'nope'"),
+])
+@pytest.mark.parametrize("where", ["option", "environment"])
+def test_malformed_faults_exit_2_with_one_line(spec: str, message: str, where: str,
+                                               monkeypatch: pytest.MonkeyPatch,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["selftest", "--quick", "--check", "communication", "--check", "memory",
+            "--world-size", "2"]
+    if where == "option":
+        args += ["--inject-fault", spec]
+    else:
+        monkeypatch.setenv("ROBUST_SELFTEST_FAULT", spec)
+    assert main(args) == 2  # before any check runs: nothing would be measured for this long
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.count("\n") == 1 and err.startswith("robust-metrics selftest: fault "), err
+    assert message in err and "Traceback" not in err
+
+
+def test_well_formed_faults_still_parse() -> None:
+    assert faults("compute:slow=0.5,memory:offset=12,communication:rank=1;delay=0 , gpu") == {
+        "compute": {"slow": "0.5"}, "memory": {"offset": "12"},
+        "communication": {"rank": "1", "delay": "0"}, "gpu": {}}
+
+
 def test_the_help_names_every_check(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         main(["selftest", "--help"])

@@ -6,6 +6,9 @@ thread roles, the healthy-group rule, samples, input forms and the mapping to no
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from robust_metrics.analysis.stacks import (
@@ -236,3 +239,81 @@ def test_bad_input_is_a_clear_value_error() -> None:
     with pytest.raises(ValueError, match="rank_info"):
         normalise_rank_info("rank 0 is on node a")  # type: ignore[arg-type]
     assert analyse([])["suspects"] == []
+
+
+# -- 2-rank hangs -----------------------------------------------------------------------------
+# Real py-spy dumps (3 rounds, with locals) of tests/stacks_train.py run as 2 gloo ranks with
+# --ddp: rank 1 blocked sleeping in load_batch (ddp-2-sleep) or computing forever there
+# (ddp-2-compute); rank 0 waits for DDP's gradient all-reduce, which happens in C++ at the end of
+# backward(), so its Python stack shows backward and no torch.distributed frame.
+RECORDED = Path(__file__).parent / "fixtures" / "stacks"
+BACKWARD = [("_engine_run_backward", f"{SITE}/torch/autograd/graph.py", 769),
+            ("backward", f"{SITE}/torch/autograd/__init__.py", 289),
+            ("Tensor.backward", f"{SITE}/torch/_tensor.py", 525), ("main", "/job/train.py", 90)]
+
+
+def recorded(name: str) -> list[dict]:
+    return json.loads((RECORDED / f"{name}.json").read_text())
+
+
+@pytest.mark.parametrize("name", ["ddp-2-sleep", "ddp-2-compute"])
+def test_two_rank_ddp_hang_names_the_rank_outside_backward(name: str) -> None:
+    dumps = recorded(name)
+    report = analyse(dumps)
+    assert report["hung"] is True, report["notes"]
+    assert report["suspect_ranks"] == [1]
+    assert report["suspects"][0]["signatures"]["main"][0] in (
+        "_read_from_slow_storage (stacks_train.py)", "_retry_bad_batch (stacks_train.py)")
+    assert any("rank(s) 0 taken as waiting" in n for n in report["notes"])
+    main = {tuple(g["ranks"]): g for g in report["groups"] if g["role"] == "main"}
+    assert main[(0,)]["healthy"] and main[(0,)]["signature"][0] == (
+        "_engine_run_backward (torch/autograd/graph.py)")
+    # the bridge dumps once, after a hang alert: the same verdict from one round
+    report = analyse(dumps[:2])
+    assert report["hung"] is None and report["suspect_ranks"] == [1]
+
+
+def test_a_computing_culprit_needs_locals_to_call_a_two_rank_job_hung() -> None:
+    dumps = recorded("ddp-2-compute")
+    report = analyse(dumps)
+    assert report["hung"] is True
+    assert any("every rank but 1 kept the same stack" in n for n in report["notes"])
+    # without locals a healthy rank that enters the same backward every step looks stuck too:
+    # one moving rank is then no evidence of a hang
+    for d in dumps:
+        for t in d["threads"] if d["rank"] == "0" else []:
+            for f in t["frames"]:
+                f.pop("locals", None)
+    report = analyse(dumps)
+    assert report["hung"] is False and report["suspects"] == []
+
+
+def test_native_c10d_frames_count_as_waiting() -> None:
+    native = [("pthread_cond_wait", "/lib/libc.so.6", 0),
+              ("c10d::Reducer::finalize_backward", f"{SITE}/torch/lib/libtorch_cpu.so", 0),
+              *BACKWARD]
+    report = analyse([dump(0, thread(native)), dump(1, thread(LOAD))], info(2))
+    assert report["suspect_ranks"] == [1]
+    assert not any("taken as waiting" in n for n in report["notes"])  # seen, not inferred
+
+
+def test_when_nobody_can_be_named_the_report_says_why() -> None:
+    # both ranks inside backward: the one stuck in a kernel looks like the one waiting for it
+    report = analyse([dump(r, thread(BACKWARD)) for r in range(2)], info(2))
+    assert report["suspects"] == []
+    assert any(n.startswith("no suspect: all 2 ranks are in _engine_run_backward") and
+               "--native" in n for n in report["notes"])
+    # all in the same collective: invisible in stacks, the flight recorder may tell
+    report = analyse([dump(r, thread(ALL_REDUCE)) for r in range(2)], info(2))
+    assert any("all 2 ranks wait in the same place" in n and "--flight-recorder" in n
+               for n in report["notes"])
+    # three places, none waiting
+    report = analyse([dump(0, thread(LOAD)), dump(1, thread(SAVE)),
+                      dump(2, thread([("spin", "/job/train.py", 1)]))], info(3))
+    assert report["suspects"] == []
+    assert any("in 3 places" in n and "none of them waiting in a collective" in n
+               for n in report["notes"])
+    # a user frame below backward (a Python hook) is the rank's own code, not DDP's wait
+    hook = [("_sleep_in_backward", "/job/train.py", 12), *BACKWARD]
+    report = analyse([dump(0, thread(BACKWARD)), dump(1, thread(hook))], info(2))
+    assert report["suspect_ranks"] == [1]

@@ -22,6 +22,7 @@ import httpx
 import pytest
 
 from robust_metrics import cli
+from robust_metrics.analysis import stacks_sources
 from robust_metrics.analysis.flight_recorder import analyse_paths
 from robust_metrics.bridge import actions as bridge_actions
 from robust_metrics.sidecar.stacks import find_py_spy
@@ -232,6 +233,29 @@ def test_two_ranks_in_two_places_are_both_named(job: Job) -> None:
     where = {s["rank"]: s["signatures"]["main"][0] for s in report["suspects"]}
     assert where == {1: "_read_from_slow_storage (stacks_train.py)",
                      2: "_flush_to_remote_storage (stacks_train.py)"}
+
+
+@pytest.mark.parametrize("stall", ["--data-stall-rank", "--compute-stall-rank"])
+def test_two_rank_ddp_hang_names_the_rank_that_is_not_in_backward(
+        tmp_path: Path, stall: str) -> None:
+    # DDP reduces gradients in C++ at the end of backward(): rank 0's stack shows no collective
+    job = Job(tmp_path, ["--ddp", stall, "1"], nproc=2)
+    try:
+        job.wait_for("rank 1: stalled in", 1, settle=2.0)
+        code, report = stacks_json("--metrics-dir", str(job.metrics), "--interval", "0.3")
+        assert code == 1, report
+        assert report["hung"] is True and report["suspect_ranks"] == [1], report["notes"]
+        assert report["nodes"] == ["node0"]
+        assert any("rank(s) 0 taken as waiting" in n for n in report["notes"])
+        # the bridge's dump_stacks action: one round of the node's answer, the same analysis
+        identities = stacks_sources.identities_from_dir(str(job.metrics))
+        ranks = stacks_sources.local_dumps(sorted(identities), identities, locals_=True,
+                                           native=False, timeout=15)
+        analysis, how = bridge_actions._analyse([{"node": "node0", "ranks": ranks}])
+        assert how == "analysed" and analysis is not None
+        assert analysis["suspect_ranks"] == [1] and analysis["hung"] is None
+    finally:
+        job.ranks.kill()
 
 
 def test_flight_recorder_names_the_rank_missing_from_the_last_collective(tmp_path: Path) -> None:

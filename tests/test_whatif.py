@@ -203,3 +203,43 @@ def test_frame_from_pandas_categories_is_accepted():
     df = pd.read_parquet(ST / "trace-ST.parquet")
     assert isinstance(df.optype.dtype, pd.CategoricalDtype)
     assert len(validate(df)) == len(df)
+
+
+# -- coverage: how much of the step the traced ops explain ----------------------------------------
+UNTRACED = Path(__file__).parent / "fixtures" / "whatif-untraced"
+
+
+def test_st_is_covered_enough_to_attribute(st_result):
+    assert st_result.coverage == pytest.approx(st_result.t_original / st_result.t_trace)
+    assert st_result.coverage == pytest.approx(0.981, abs=0.001)
+    assert st_result.covered and st_result.attributed and st_result.warnings == []
+
+
+def test_a_straggler_between_the_traced_ops_blames_nobody():
+    # a real 2-rank DDP trace; rank 1 sleeps 50 ms per step outside every traced op
+    model = load_model(UNTRACED, steps=range(2, 100))
+    result = analyze(model)
+    assert result.slowdown >= 1.03  # above the attribution threshold: coverage alone stops it
+    assert result.coverage < 0.2 and not result.covered
+    assert not result.attributed and result.rank_scores is None and result.mw is None
+    (warning,) = result.warnings
+    assert f"explain only {result.coverage:.0%}" in warning and "no rank or stage" in warning
+    doc = result.to_json()
+    assert doc["coverage"] == result.coverage and doc["min_coverage"] == 0.8
+    assert doc["warnings"] == [warning] and doc["by_dp_rank"] is None
+    from robust_metrics.analysis.whatif.report import diagnosis, summary, verdict
+
+    assert verdict(result) == "none"
+    assert diagnosis(result).startswith("nothing can be attributed")
+    text = summary(result)
+    assert "WARNING: the traced ops explain only" in text and "top ranks" not in text
+    assert "spread-out" not in text
+    # what the gate holds back: an attribution of traced noise ("spread-out cause")
+    forced = analyze(model, min_coverage=0.0)
+    assert forced.attributed and forced.warnings == []
+    assert verdict(forced) == "spread"
+
+
+def test_synthetic_traces_are_fully_covered():
+    result = analyze(_model(SyntheticJob(dp=2, pp=2, worker_factor={(1, 1): 2.0})))
+    assert 0.99 <= result.coverage <= 1.0 + 1e-9 and result.attributed

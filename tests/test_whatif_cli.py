@@ -80,3 +80,26 @@ def test_steps_selects_steps(capsys):
     assert "--steps" in capsys.readouterr().err
     assert main(["whatif", TRACE, "--steps", "1-2"]) == 2
     assert "none of the requested steps" in capsys.readouterr().err
+
+
+UNTRACED = str(Path(__file__).parent / "fixtures" / "whatif-untraced")
+
+
+def test_low_coverage_warns_and_blames_nobody(capsys):
+    assert main(["whatif", UNTRACED, "--steps", "2-100"]) == 0
+    out = capsys.readouterr().out
+    assert "coverage = 0.1" in out and "WARNING: the traced ops explain only" in out
+    assert "top ranks" not in out and "nothing can be attributed" in out
+    assert main(["whatif", UNTRACED, "--steps", "2-100", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["coverage"] < 0.2 and doc["by_dp_rank"] is None and len(doc["warnings"]) == 1
+    # the gate can be lowered on purpose
+    assert main(["whatif", UNTRACED, "--steps", "2-100", "--min-coverage", "0", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["by_dp_rank"] is not None and doc["warnings"] == []
+
+
+def test_bad_min_coverage_is_exit_2(capsys):
+    for value in ("1.5", "-0.1", "nan"):
+        assert main(["whatif", TRACE, "--min-coverage", value]) == 2, value
+        assert "--min-coverage must be a fraction" in capsys.readouterr().err

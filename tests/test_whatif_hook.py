@@ -43,6 +43,23 @@ def test_trace_of_a_real_job_names_the_slow_rank(tmp_path):
     from robust_metrics.analysis.whatif.report import diagnosis
 
     assert "bad worker" in diagnosis(result) and "rank(s) 2" in diagnosis(result)
+    assert result.covered and result.warnings == []  # the sleep is inside the traced forward
+
+
+@pytest.mark.integration
+def test_a_rank_slow_between_traced_ops_is_not_misattributed(tmp_path):
+    # 2 DDP ranks; rank 1 spends 50 ms per step in host work no traced op covers
+    trace = tmp_path / "trace"
+    env = {"TRACE_DIR": str(trace), "TRACE_EVERY": "2", "TRACE_STEPS": "1",
+           "ROBUST_METRICS_BACKEND": "null", "UNTRACED_SLOW_RANK": "1",
+           "UNTRACED_SECONDS": "0.05"}
+    with RankJob(2, ["--steps", "16"], script=JOB, env=env, log_dir=tmp_path) as job:
+        codes = job.wait(timeout=180)
+        assert codes == [0, 0], job.logs()
+    result = analyze(load_model(trace, steps=range(2, 16)))
+    assert result.t_trace > 0.04  # the traced step holds rank 1's 50 ms, between its ops
+    assert result.coverage < 0.5 and not result.attributed
+    assert result.rank_scores is None and len(result.warnings) == 1
 
 
 def test_recorder_samples_the_same_steps_on_every_rank(tmp_path):

@@ -21,14 +21,18 @@ Steps:
    signature stayed but whose lines or locals changed is *busy* (a healthy rank enters the same
    all_reduce every step, with a new tensor and step counter each time); one whose signature
    changed is *progressing*. With several samples the job counts as hung only when at least
-   `hang_fraction` of the ranks have a stuck main thread, so a healthy job gives no suspects. Dump
+   `hang_fraction` of the ranks have a stuck main thread (or every rank but one is stuck, locals
+   included, in a collective while that one moves: a small job's computing culprit), so a
+   healthy job gives no suspects. Dump
    with locals for this check: without them, healthy ranks that sit in the same collective at every
    sample look stuck (they still form one group, so they are not named). With one sample the
    caller asserts the hang (the bridge calls after a hang alert) and `hung` is None.
 4. **Groups.** Within each role (and each pipeline stage, when `pp_rank` is known, since stages
    legitimately run different code) ranks are grouped by signature. A group is healthy when it
    holds at least `min_share` of the ranks (and two or more), or is the single largest; when none
-   is, the groups waiting inside `torch.distributed` are taken as healthy. Every other group of the
+   is, the groups waiting inside `torch.distributed` are taken as healthy, and failing those the
+   groups inside `backward()` or DDP's forward (DDP waits for its gradient all-reduce in C++
+   there, with no Python frame of torch.distributed). Every other group of the
    main, data-loader or checkpoint role is an outlier, and its ranks are the suspects. Other
    threads (metrics flushers, user helpers) are reported but only decide with `all_threads=True`;
    a progressing helper thread never does.
@@ -82,6 +86,12 @@ _COLLECTIVE_FUNCTIONS = frozenset({
 })
 
 
+_NATIVE_COLLECTIVE = ("c10d::", "gloo::")
+_IMPLICIT_WAIT_FRAMES = frozenset({
+    "_engine_run_backward (torch/autograd/graph.py)",  # torch >= 2.3
+    "backward (torch/autograd/__init__.py)",  # older releases call the engine from here
+})
+_DDP_FILE = "(torch/nn/parallel/distributed.py)"
 _HOOK_FILES = re.compile(r"robust_metrics[/\\]hooks[/\\]")
 
 
@@ -154,12 +164,27 @@ def thread_role(thread: Mapping[str, Any], frames: Iterable[str], pid: int | Non
 
 
 def _is_waiting(signature: tuple[str, ...]) -> bool:
-    """Whether a stack waits in torch.distributed (what healthy ranks of a hung job do)."""
+    """Whether a stack waits in torch.distributed (what healthy ranks of a hung job do): a
+    Python frame of torch.distributed or a collective, or with `--native` a C++ frame of c10d or
+    gloo (DDP's `c10d::Reducer::finalize_backward` waiting for its gradient all-reduce)."""
     for frame in signature:
         if "(torch/distributed/" in frame:
             return True
-        if frame.split(" (", 1)[0] in _COLLECTIVE_FUNCTIONS:
+        function = frame.split(" (", 1)[0]
+        if function in _COLLECTIVE_FUNCTIONS or function.startswith(_NATIVE_COLLECTIVE):
             return True
+    return False
+
+
+def _may_wait(signature: tuple[str, ...]) -> bool:
+    """Whether a stack's innermost Python frame is a torch entry point below which a rank can
+    wait for a collective in C++ with no Python frame of torch.distributed: DDP reduces
+    gradients from autograd hooks and waits for them at the end of `backward()`, and syncs
+    buffers from its forward. A rank running kernels there looks the same, so this only breaks
+    a tie where no group dominates and none visibly waits."""
+    for frame in signature:
+        if frame.endswith(".py)"):
+            return frame in _IMPLICIT_WAIT_FRAMES or frame.endswith(_DDP_FILE)
     return False
 
 
@@ -457,7 +482,12 @@ def _group(analysed: list[_Rank], info: dict[int, dict], min_share: float, hang_
     hung: bool | None = None
     if multi:
         hung = len(stuck_main) >= hang_fraction * len(multi)
-        if not hung:
+        lone = None if hung else _lone_mover(multi, stuck_main)
+        if lone is not None:
+            hung = True
+            notes.append(f"job hung: every rank but {lone.ident()} kept the same stack in a "
+                         f"collective over all samples while {lone.ident()} moved")
+        elif not hung:
             notes.append(f"job is progressing: only {len(stuck_main)} of {len(multi)} ranks kept "
                          f"the same main-thread stack over their samples; no suspects named")
     elif analysed:
@@ -481,7 +511,10 @@ def _group(analysed: list[_Rank], info: dict[int, dict], min_share: float, hang_
     suspects: dict[str, dict[str, Any]] = {}
     for (part, role), by_sig in table.items():
         n = sum(len(v) for v in by_sig.values())
-        healthy = _healthy_signatures(by_sig, n, min_share)
+        healthy, how = _healthy_signatures(by_sig, n, min_share)
+        explained = _explain(role, how, by_sig, healthy, hung)
+        if explained:
+            notes.append(explained if part is None else f"pp {part}: {explained}")
         decides = role in CORE_ROLES or all_threads
         for sig, members in by_sig.items():
             is_healthy = sig in healthy
@@ -519,19 +552,88 @@ def _group(analysed: list[_Rank], info: dict[int, dict], min_share: float, hang_
 
 
 def _healthy_signatures(by_sig: Mapping[tuple[str, ...], list[_Rank]], n: int,
-                        min_share: float) -> set[tuple[str, ...]]:
+                        min_share: float) -> tuple[set[tuple[str, ...]], str]:
+    """The healthy signatures of one role, and by which rule: `share` (enough ranks, or the
+    single largest group), `waiting` (nobody dominates; the groups in torch.distributed),
+    `implicit` (nobody dominates or visibly waits; the groups inside backward or DDP's forward,
+    where DDP waits in C++), `tie` (several groups, none of which can be told to wait: all are
+    healthy, nobody is named) or `alone` (one group)."""
     sizes = {sig: len(members) for sig, members in by_sig.items()}
+    if len(sizes) == 1:
+        return set(sizes), "alone"
     floor = max(2, math.ceil(min_share * n))
     healthy = {sig for sig, size in sizes.items() if size >= floor}
     largest = max(sizes.values())
     top = [sig for sig, size in sizes.items() if size == largest]
     if len(top) == 1:
         healthy.add(top[0])
-    if not healthy:
-        healthy = {sig for sig in sizes if _is_waiting(sig)}
-    if not healthy:  # nobody dominates and nobody waits: every rank looks alike, name none
-        healthy = set(sizes)
-    return healthy
+    if healthy:
+        return healthy, "share"
+    for test, how in ((_is_waiting, "waiting"), (_may_wait, "implicit")):
+        healthy = {sig for sig in sizes if test(sig)}
+        if healthy:  # the first rule that finds waiting ranks decides
+            return (healthy, how) if len(healthy) < len(sizes) else (set(sizes), "tie")
+    # nobody dominates and nobody (or everybody) waits: every rank looks alike, name none
+    return set(sizes), "tie"
+
+
+def _lone_mover(multi: list[_Rank], stuck_main: list[_Rank]) -> _Rank | None:
+    """The one rank whose main stack moved while every other rank kept the same stack, locals
+    included, inside a collective (visibly, or inside backward where DDP waits), or None. In a
+    job of 2 or 3 ranks a culprit that computes keeps the stuck share under `hang_fraction`;
+    this is that case."""
+    moving = [r for r in multi if r not in stuck_main]
+    if len(multi) < 2 or len(moving) != 1:
+        return None
+    if _is_waiting(_role_signature(moving[0], "main")[0]):
+        return None  # it moves through collectives: the others are not waiting for it
+    if not all(any(f.get("locals") for f in r.first_frames.get("main", [])) for r in stuck_main):
+        return None  # without locals a healthy rank in the same collective each step looks stuck
+    if all(_is_waiting(sig) or _may_wait(sig)
+           for sig in (_role_signature(r, "main")[0] for r in stuck_main)):
+        return moving[0]
+    return None
+
+
+def _explain(role: str, how: str, by_sig: Mapping[tuple[str, ...], list[_Rank]],
+             healthy: set[tuple[str, ...]], hung: bool | None) -> str | None:
+    """A note on a main-thread verdict that the groups alone do not explain: a culprit named
+    on weaker evidence (`implicit`), or why nobody could be named in a hung job."""
+    if role != "main" or hung is False:
+        return None
+    if how == "implicit":
+        ranks = _short([i for sig in healthy for i in _idents(by_sig[sig])])
+        return (f"rank(s) {ranks} taken as waiting for the others: their main thread is inside "
+                "backward() or DDP's forward, where DistributedDataParallel waits for its "
+                "collectives in C++ with no Python frame of torch.distributed; a rank stuck in a "
+                "kernel there looks the same (--native shows c10d frames of the waiting ranks)")
+    if how == "tie":
+        if all(map(_is_waiting, by_sig)):
+            which = "every one of them waiting in a collective"
+        elif all(map(_may_wait, by_sig)):
+            which = "every one of them inside backward() or DDP's forward"
+        else:
+            which = "none of them waiting in a collective"
+        return (f"no suspect: the main threads are in {len(by_sig)} places, none shared by "
+                f"enough ranks and {which}, so the stacks cannot tell the culprit from the "
+                "ranks waiting for it (--native shows C/C++ frames)")
+    if how == "alone":
+        (sig,) = by_sig
+        n = len(by_sig[sig])
+        where = sig[0] if sig else "?"
+        if n < 2:
+            return None
+        if _is_waiting(sig):
+            return (f"no suspect: all {n} ranks wait in the same place ({where}); a culprit "
+                    "that waits where the others wait (a network fault, a collective one rank "
+                    "never issued) is not visible in stacks: see --flight-recorder and the "
+                    "sidecar's NCCL RAS metrics")
+        if _may_wait(sig):
+            return (f"no suspect: all {n} ranks are in {where}, where DDP waits for its gradient "
+                    "all-reduce in C++; a rank stuck in a kernel there looks the same as the "
+                    "ranks waiting for it (--native shows c10d frames of the waiting ranks)")
+        return f"no suspect: all {n} ranks are in the same place ({where}); nobody is elsewhere"
+    return None
 
 
 def _reason(role: str, sig: tuple[str, ...], by_sig: Mapping[tuple[str, ...], list[_Rank]],

@@ -4,8 +4,11 @@ For every finished incident the ledger keeps one row in the action log (table `l
 alert, the ranks and nodes it named (labels and the stack analysis' suspects), and five instants:
 
 - **fault**: for a hang, the run's last step before the alert (Prometheus'
-  `robust_last_step_timestamp_seconds` when the bridge received it); otherwise the alert's
-  `startsAt`;
+  `robust_last_step_timestamp_seconds` when the bridge received it); for a slow rank
+  (`SLOW_RANK_ALERTS`), the scrape after which the named rank's compute per step rose to its
+  level at the alert (`slowdown_start` over its raw `robust_step_compute_seconds` counters);
+  otherwise, or when Prometheus does not show it, the alert's `startsAt` (Prometheus sends the
+  instant the alert fired, after its `for` hold, so that detect time is only the delivery);
 - **detected**: when the bridge received the alert;
 - **acted**: when its remedial step (restart or drain_node) finished, or its last step for a
   chain without one;
@@ -77,6 +80,14 @@ NAN_STEP = schema.NONFINITE_FIRST_STEP.name
 NAN_BATCH = schema.NONFINITE_FIRST_BATCH.name
 NAN_COUNTERS = (schema.NONFINITE_LOSS.name, schema.NONFINITE_GRAD.name)
 RANK_INFO = schema.RANK_INFO.name
+COMPUTE = schema.STEP_COMPUTE.name
+SLOW_RANK_ALERTS = frozenset({"SlowRank"})
+"""Alerts that name a rank for computing slower than its peers; their fault is the rise of that
+rank's compute per step."""
+SLOW_SEARCH_S = 1800.0
+"""How far before the alert a slow rank's rise is looked for (at most `incidents.lookback`)."""
+SLOW_RISE = 1.03
+"""The least rise (compute per step after / before) taken for the start of a slowdown."""
 
 _TABLE = """
 CREATE TABLE IF NOT EXISTS ledger (
@@ -263,6 +274,47 @@ def highest_step(query: Query, run: str, lookback_s: float, at: float | None = N
     live = _tagged(f"max_over_time({GLOBAL_STEP}{window})", "live")
     exited = _tagged(f"max_over_time({EXIT_STEP}{window})", "exit")
     return _scalar(query(f"max({live} or {exited})", at))
+
+
+def slowdown_start(sums: Sequence[tuple[float, float]], counts: Sequence[tuple[float, float]],
+                   ) -> float | None:
+    """When a rank's slowdown began, from its compute counters (`(timestamp, value)` scrapes of
+    `robust_step_compute_seconds_sum` and `_count`): each pair of consecutive scrapes gives the
+    mean compute per step between them; the split into a before and an after that fits two
+    constant levels best (least squares) is the rise, taken when the after is at least
+    `SLOW_RISE` times the before, with two intervals on each side. Returns the scrape that ends
+    the last interval before the rise: the fault began after it, within one scrape interval.
+    None when no rise shows (too few scrapes, a rank slow from its start). Intervals without a
+    step, or across a counter reset, are left out."""
+    by_time = dict(counts)
+    intervals: list[tuple[float, float]] = []  # (scrape before, compute per step until the next)
+    previous: tuple[float, float, float] | None = None
+    for t, total in sorted(sums):
+        if t not in by_time:
+            continue
+        if previous is not None:
+            steps, spent = by_time[t] - previous[2], total - previous[1]
+            if steps > 0 and spent >= 0:
+                intervals.append((previous[0], spent / steps))
+        previous = (t, total, by_time[t])
+    n = len(intervals)
+    if n < 4:
+        return None
+    values = [v for _, v in intervals]
+    prefix, squares = [0.0], [0.0]
+    for v in values:
+        prefix.append(prefix[-1] + v)
+        squares.append(squares[-1] + v * v)
+
+    def cost(lo: int, hi: int) -> float:  # squared error of values[lo:hi] around their mean
+        total = prefix[hi] - prefix[lo]
+        return squares[hi] - squares[lo] - total * total / (hi - lo)
+
+    split = min(range(2, n - 1), key=lambda k: cost(0, k) + cost(k, n))
+    before, after = prefix[split] / split, (prefix[n] - prefix[split]) / (n - split)
+    if before <= 0 or after < SLOW_RISE * before:
+        return None
+    return intervals[split][0]
 
 
 def _points(result: list[dict[str, Any]]) -> list[tuple[float, float]]:
@@ -530,11 +582,20 @@ class Ledger:
             return None
 
     def _fault(self, incident: Incident) -> tuple[float | None, str]:
-        """A hang's fault is the run's last step before the bridge heard of it."""
+        """A hang's fault is the run's last step before the bridge heard of it; a slow rank's,
+        the rise of its compute; any other's, the alert's startsAt."""
         try:
             starts = parse_time(incident.starts_at).timestamp()
         except ValueError:
             starts = None
+        rank = incident.labels.get("rank")
+        if self.query is not None and incident.alertname in SLOW_RANK_ALERTS and rank:
+            rose = self._read(lambda: self._slow_rank_start(incident.run, rank,
+                                                            incident.received))
+            if rose is None:
+                return starts, (f"no rise of rank {rank}'s compute in Prometheus; fault time is "
+                                "the alert's startsAt")
+            return min(rose, incident.received), ""
         if not is_hang(self.config, incident.labels) or self.query is None:
             return starts, ""
         last = self._read(lambda: _scalar(self.query_at(
@@ -542,6 +603,27 @@ class Ledger:
         if last is None:
             return starts, "no last step in Prometheus; fault time is the alert's startsAt"
         return min(last, incident.received), ""
+
+    def _slow_rank_start(self, run: str, rank: str, at: float) -> float | None:
+        """`slowdown_start` over the rank's compute counters before `at`; of several series of
+        the rank (a restarted process), the one scraped last."""
+        span = min(self.config.incidents.lookback_s, SLOW_SEARCH_S)
+        quoted = {k: '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+                  for k, v in (("run", run), ("rank", rank))}
+        result = self.query_at(f'{{__name__=~"{COMPUTE}_(sum|count)", run={quoted["run"]}, '
+                               f'rank={quoted["rank"]}}}[{span:.0f}s]', at)
+        series: dict[tuple[tuple[str, str], ...], dict[str, list[tuple[float, float]]]] = {}
+        for r in result:
+            labels = dict(r.get("metric", {}))
+            name = labels.pop("__name__", "")
+            points = [(float(t), float(v)) for t, v in r.get("values", [])]
+            series.setdefault(tuple(sorted(labels.items())), {})[name] = points
+        complete = [s for s in series.values()
+                    if s.get(f"{COMPUTE}_sum") and s.get(f"{COMPUTE}_count")]
+        if not complete:
+            return None
+        latest = max(complete, key=lambda s: s[f"{COMPUTE}_sum"][-1][0])
+        return slowdown_start(latest[f"{COMPUTE}_sum"], latest[f"{COMPUTE}_count"])
 
     def _progress(self, run: str, acted: float, now: float) -> Progress:
         span = max(1.0, now - acted)

@@ -77,11 +77,45 @@ class Report:
                    results)
 
 
+MAX_FAULT_SECONDS = 60.0
+"""The longest injected delay: a fault is for tests, and a longer one is surely a typo that would
+hold a check (and the sidecar's self-test) for hours."""
+
+
+def _seconds(value: str) -> str | None:
+    """Why `value` is no delay in [0, MAX_FAULT_SECONDS] seconds, or None."""
+    try:
+        number = float(value)
+    except ValueError:
+        return "is not a number of seconds"
+    if not 0 <= number <= MAX_FAULT_SECONDS:  # NaN fails both comparisons
+        return f"must be a number of seconds in [0, {MAX_FAULT_SECONDS:g}]"
+    return None
+
+
+def _index(value: str) -> str | None:
+    """Why `value` is no non-negative whole number (1 to 18 digits), or None."""
+    if not (value.isascii() and value.isdigit() and len(value) <= 18):
+        return "must be a whole number >= 0"
+    return None
+
+
+_FAULT_PARAMETERS: dict[str, dict[str, Any]] = {
+    "compute": {"slow": _seconds},
+    "memory": {"offset": _index},
+    "communication": {"rank": _index, "delay": _seconds},
+    "gpu": {},
+}
+"""Each check's fault parameters and the test of their values: a value a check cannot use would
+otherwise be read as no fault (a rank named `x` is no rank) or end the check with a traceback."""
+
+
 def faults(extra: str | None = None) -> dict[str, dict[str, str]]:
     """Injected faults by check: `compute` -> {}, `communication:rank=1` -> {"rank": "1"}.
 
-    Read from `ROBUST_SELFTEST_FAULT` plus `extra` (the `--inject-fault` option); an unknown check
-    name raises ValueError so a typo in a test never passes silently as "no fault".
+    Read from `ROBUST_SELFTEST_FAULT` plus `extra` (the `--inject-fault` option). An unknown
+    check or parameter, a parameter without a value and a value the check cannot use raise
+    ValueError with a one-line message, so a typo in a test never passes silently as "no fault".
     """
     out: dict[str, dict[str, str]] = {}
     for item in ",".join(x for x in (os.environ.get(FAULT_ENV, ""), extra or "") if x).split(","):
@@ -89,10 +123,19 @@ def faults(extra: str | None = None) -> dict[str, dict[str, str]]:
         if not item:
             continue
         check, _, params = item.partition(":")
+        check = check.strip()
         if check not in CHECKS:
             raise ValueError(f"fault {item!r}: unknown check {check!r} (one of {', '.join(CHECKS)})")
+        allowed = _FAULT_PARAMETERS[check]
         options = out.setdefault(check, {})
-        for param in filter(None, params.split(";")):
-            key, _, value = param.partition("=")
-            options[key.strip()] = value.strip()
+        for param in filter(None, (p.strip() for p in params.split(";"))):
+            key, eq, value = (part.strip() for part in param.partition("="))
+            if key not in allowed:
+                known = ", ".join(allowed) or "none"
+                raise ValueError(f"fault {item!r}: unknown parameter {key!r} of {check} "
+                                 f"(known: {known})")
+            problem = "needs a value (key=value)" if not eq or not value else allowed[key](value)
+            if problem:
+                raise ValueError(f"fault {item!r}: {key}={value!r} {problem}")
+            options[key] = value
     return out

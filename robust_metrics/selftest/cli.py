@@ -132,14 +132,17 @@ def _print(report: Report) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from robust_metrics.selftest import runner
+    from robust_metrics.selftest import communication, runner
 
+    options = options_from_args(args)
     try:
-        faults(args.inject_fault)
+        injected = faults(args.inject_fault)
+        if "communication" in options.checks:
+            communication.check_fault(injected.get("communication"), options.communication)
     except ValueError as exc:
         print(f"robust-metrics selftest: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    report = runner.run(options_from_args(args))
+    report = runner.run(options)
     if args.json:
         print(json.dumps(report.to_dict(), default=_jsonable))
     else:

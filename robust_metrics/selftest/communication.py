@@ -33,6 +33,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from robust_metrics.numbers import decimal
 from robust_metrics.selftest.api import CheckResult
 
 __all__ = ["CommunicationOptions", "measure", "run"]
@@ -239,6 +240,18 @@ def judge(result: Mapping[str, Any], options: CommunicationOptions,
     if culprits and (own_rank is None or own_rank in culprits):
         problems.insert(0, f"rank {culprits[0]} ({nodes[culprits[0]]}) is in every slow pair")
     return problems, culprits
+
+
+def check_fault(fault: Mapping[str, str] | None, options: CommunicationOptions) -> None:
+    """ValueError when the fault names a rank the group will not have: no rank would slow its
+    link and the check would pass, as if the fault had been caught nowhere."""
+    if not fault or "rank" not in fault:
+        return
+    in_env = all(os.environ.get(k) for k in ENV_KEYS)
+    world = decimal(os.environ.get("WORLD_SIZE", "")) if in_env else options.world_size
+    if world is not None and int(fault["rank"]) >= world:
+        raise ValueError(f"fault communication:rank={fault['rank']}: no such rank in a group of "
+                         f"{world} (ranks 0-{world - 1})")
 
 
 def run(options: CommunicationOptions, fault: Mapping[str, str] | None = None) -> CheckResult:

@@ -40,6 +40,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="print one JSON object instead of the summary")
     parser.add_argument("--threshold", type=float, default=None, metavar="S",
                         help="attribute only when S reaches this (default 1.03)")
+    parser.add_argument("--min-coverage", type=float, default=None, metavar="F",
+                        help="attribute only when the traced ops explain this share of the "
+                        "step (default 0.8)")
     parser.add_argument("--top", type=int, default=5, metavar="N",
                         help="entries per list in the summary (default 5)")
     parser.add_argument("--timeline-steps", type=int, default=2, metavar="N",
@@ -80,7 +83,11 @@ def _fail(message: str) -> int:
 def run(args: argparse.Namespace) -> int:
     """Run the analysis; 0 on success, 2 on bad input."""
     from robust_metrics.analysis.whatif import GraphError, MetaError, TraceError, load_model
-    from robust_metrics.analysis.whatif.analysis import ATTRIBUTION_THRESHOLD, analyze
+    from robust_metrics.analysis.whatif.analysis import (
+        ATTRIBUTION_THRESHOLD,
+        MIN_COVERAGE,
+        analyze,
+    )
     from robust_metrics.analysis.whatif.progress import make_progress
     from robust_metrics.analysis.whatif.report import summary
 
@@ -90,6 +97,9 @@ def run(args: argparse.Namespace) -> int:
     threshold = ATTRIBUTION_THRESHOLD if args.threshold is None else args.threshold
     if not math.isfinite(threshold) or threshold <= 0:
         return _fail("--threshold must be a finite number > 0")
+    min_coverage = MIN_COVERAGE if args.min_coverage is None else args.min_coverage
+    if not 0 <= min_coverage <= 1:  # NaN fails both comparisons
+        return _fail("--min-coverage must be a fraction in [0, 1]")
     overrides = {f"{k}_size": getattr(args, f"{k}_size") for k in ("dp", "pp", "tp", "dsp", "vpp")}
     try:
         steps = parse_steps(args.steps) if args.steps else None
@@ -101,7 +111,8 @@ def run(args: argparse.Namespace) -> int:
     except (TraceError, MetaError, GraphError) as exc:
         return _fail(str(exc))
     show = args.progress if args.progress is not None else model.dp >= PROGRESS_MIN_DP
-    result = analyze(model, threshold=threshold, progress=make_progress(bool(show)))
+    result = analyze(model, threshold=threshold, min_coverage=min_coverage,
+                     progress=make_progress(bool(show)))
     elapsed = time.perf_counter() - began
     document = {**result.to_json(), "analysis_seconds": elapsed}
     if args.out:

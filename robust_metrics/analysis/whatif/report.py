@@ -35,8 +35,11 @@ def verdict(result: WhatIfResult) -> str:
 def diagnosis(result: WhatIfResult) -> str:
     """One sentence on the likely kind of cause."""
     kind = verdict(result)
+    if kind == "none" and not result.covered:
+        return (f"nothing can be attributed: the traced ops explain only {result.coverage:.0%} "
+                "of the step, the rest lies between them, where a straggler is invisible")
     if kind == "none":
-        return (f"no straggling worth attributing (S below {result.to_json()['attribution_threshold']}"
+        return (f"no straggling worth attributing (S below {result.threshold}"
                 "): the job runs close to its ideal")
     mw, ms = result.mw or 0.0, result.ms or 0.0
     ranks = ", ".join(str(r) for r in (result.mw_detail or {}).get("ranks", []))
@@ -67,10 +70,13 @@ def summary(result: WhatIfResult, top: int = 5) -> str:
         f"pp {r.meta['pp_size']}",
         f"  slowdown S = {r.slowdown:.4f}  (mean step: original {r.t_original:.4f} s, ideal "
         f"{r.t_ideal:.4f} s, traced {r.t_trace:.4f} s)",
+        f"  coverage = {r.coverage:.3f}  (share of the traced step the traced ops explain; "
+        f"attribution needs {r.min_coverage:g})",
         "  worst steps: " + ", ".join(f"{s}: {v:.4f}" for s, v in worst),
     ]
     if r.dropped_steps:
         lines.append(f"  dropped {len(r.dropped_steps)} step(s) not traced on every worker")
+    lines.extend(f"  WARNING: {w}" for w in r.warnings)
     if r.attributed:
         lines += [
             f"  top ranks (score = min(S_dp, S_stage)): {_top(r.rank_scores, top, 'rank {k}')}",
