@@ -3,10 +3,12 @@ are valid for the tools that read them."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import stat
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,12 +21,92 @@ EXPORTERS = ROOT / "exporters"
 DEPLOY = ROOT / "deploy"
 
 
+SCRAPE = EXPORTERS / "prometheus" / "scrape.yml"
+PROMETHEUS = DEPLOY / "prometheus" / "prometheus.yml"
+
+
 def test_scrape_config_passes_promtool() -> None:
     promtool = require_binary("promtool")
-    result = subprocess.run([promtool, "check", "config", str(EXPORTERS / "prometheus" /
-                                                             "scrape.yml")],
+    result = subprocess.run([promtool, "check", "config", str(SCRAPE)],
                             capture_output=True, text=True, timeout=30)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def _jobs(path: Path) -> dict[str, dict]:
+    return {job["job_name"]: job for job in yaml.safe_load(path.read_text())["scrape_configs"]}
+
+
+def test_complete_prometheus_config_passes_promtool_with_the_rendered_rules(
+        tmp_path: Path) -> None:
+    """deploy/prometheus/prometheus.yml starts as is once `robust-metrics rules` has written the
+    rule file it names: promtool loads the config, finds that file and checks every rule."""
+    promtool = require_binary("promtool")
+    config = yaml.safe_load(PROMETHEUS.read_text())
+    assert config["rule_files"] == ["rules.yml"]
+    [manager] = config["alerting"]["alertmanagers"]
+    assert manager["static_configs"] == [{"targets": ["127.0.0.1:9093"]}]
+    shutil.copy(PROMETHEUS, tmp_path / "prometheus.yml")
+    missing = subprocess.run([promtool, "check", "config", str(tmp_path / "prometheus.yml")],
+                             capture_output=True, text=True, timeout=30)
+    assert missing.returncode != 0 and "rules.yml" in missing.stdout + missing.stderr
+    done = subprocess.run([sys.executable, "-m", "robust_metrics", "rules", "--out",
+                           str(tmp_path / "rules.yml")], capture_output=True, text=True,
+                          timeout=60, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    result = subprocess.run([promtool, "check", "config", str(tmp_path / "prometheus.yml")],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    rendered = yaml.safe_load((tmp_path / "rules.yml").read_text())["groups"]
+    count = sum(len(group["rules"]) for group in rendered)
+    assert "SUCCESS: 1 rule files found" in result.stdout, result.stdout
+    assert f"SUCCESS: {count} rules found" in result.stdout, result.stdout
+
+
+def test_the_bridge_is_scraped_where_its_policy_listens() -> None:
+    """A restart waits until Prometheus has scraped the bridge's stop notice: both shipped
+    configs scrape the bridge at the address examples/bridge.yaml listens on."""
+    listen = yaml.safe_load((ROOT / "examples" / "bridge.yaml").read_text())["listen"]
+    for path in (SCRAPE, PROMETHEUS):
+        bridge = _jobs(path)["robust-metrics-bridge"]
+        assert bridge["static_configs"] == [
+            {"targets": [f"{listen['host']}:{listen['port']}"]}], path
+
+
+def test_the_complete_config_scrapes_as_the_shipped_scrape_config() -> None:
+    """One set of scrape jobs: the complete config differs from scrape.yml only in where the
+    sidecar target files live (beside it, not under /etc)."""
+    shipped, complete = _jobs(SCRAPE), _jobs(PROMETHEUS)
+    assert set(shipped) == set(complete) == {"robust-metrics-sidecar", "robust-metrics-bridge"}
+    for name, job in shipped.items():
+        other = dict(complete[name])
+        if "file_sd_configs" in job:
+            [mine], [theirs] = job["file_sd_configs"], other.pop("file_sd_configs")
+            assert Path(mine["files"][0]).name == Path(theirs["files"][0]).name
+            assert {**mine, "files": None} == {**theirs, "files": None}
+        assert {k: v for k, v in job.items() if k != "file_sd_configs"} == other, name
+
+
+@pytest.mark.parametrize("path", [SCRAPE, PROMETHEUS], ids=["scrape", "complete"])
+def test_instance_is_the_targets_node_name_as_the_comment_says(path: Path,
+                                                                tmp_path: Path) -> None:
+    """promtool runs the sidecar job's relabelling: a target listed by host name gets that
+    name as `instance`, a target with its own `instance` label keeps it, the loopback target
+    reads 127.0.0.1 (as its comment warns)."""
+    promtool = require_binary("promtool")
+    job = _jobs(path)["robust-metrics-sidecar"]
+    job.pop("file_sd_configs")  # promtool 2.42's file discovery panics in check service-discovery
+    job["static_configs"] += [{"targets": ["gpu-001:9741", "gpu-002"]},
+                              {"targets": ["10.0.0.5:9741"], "labels": {"instance": "gpu-003"}}]
+    (tmp_path / "sd.yml").write_text(yaml.safe_dump({"scrape_configs": [job]}))
+    # static targets only: promtool waits its whole --timeout for discovery results
+    result = subprocess.run([promtool, "check", "service-discovery", "--timeout=1s",
+                             str(tmp_path / "sd.yml"), "robust-metrics-sidecar"],
+                            capture_output=True, text=True, timeout=30, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    instances = {t["labels"]["__address__"]: t["labels"]["instance"]
+                 for t in json.loads(result.stdout)}
+    assert instances == {"127.0.0.1:9741": "127.0.0.1", "gpu-001:9741": "gpu-001",
+                         "gpu-002:80": "gpu-002", "10.0.0.5:9741": "gpu-003"}
 
 
 def test_daemonset_can_see_ranks_dump_stacks_and_read_sysfs_read_only() -> None:

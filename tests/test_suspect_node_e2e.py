@@ -3,11 +3,13 @@ process, over HTTP) enters three NIC incidents of three runs on node n7 in its l
 Prometheus scrapes the bridge's `robust_bridge_node_incidents` and evaluates
 `alert_rules/nodes.yml`; SuspectNode goes through a real Alertmanager back to the bridge, which
 drains n7 through the webhook scheduler (a recording receiver at the scheduler boundary). After
-two incidents nothing fires; a node named twice (n8) is never drained."""
+two incidents nothing fires; a node named twice (n8) is never drained. Prometheus also scrapes a
+stand-in for four node sidecars (their collector series), the nodes SuspectNode compares with."""
 
 from __future__ import annotations
 
 import time
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import httpx
@@ -18,18 +20,31 @@ from robust_metrics.bridge.config import parse
 from robust_metrics.bridge.service import Bridge
 from robust_metrics.processes import alertmanager
 from robust_metrics.rules import RULES_DIR
-from tests.bridge_fakes import Receiver, alert, serve_app, webhook
+from tests.bridge_fakes import Receiver, StubServer, alert, send_reply, serve_app, webhook
 from tests.prometheus_fixture import PrometheusServer
 from tests.support import require_binary, wait_until
 
 pytestmark = pytest.mark.integration
 TOKEN = "suspect-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
+SIDECARS = ("n7", "n8", "n9", "n10")
+
+
+class _SidecarMetrics(BaseHTTPRequestHandler):
+    """What every node sidecar serves whatever else it does: its collectors' success."""
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        send_reply(self, 200, b'robust_sidecar_collector_success{collector="ranks"} 1\n',
+                   "text/plain")
 
 
 def test_node_named_in_three_incidents_is_flagged_and_drained(tmp_path: Path) -> None:
     require_binary("prometheus-alertmanager", "alertmanager")
-    with Receiver(secret="s3cret") as ops, Receiver(secret="s3cret") as pager:
+    with Receiver(secret="s3cret") as ops, Receiver(secret="s3cret") as pager, \
+            StubServer(_SidecarMetrics) as sidecars:
         raw = {
             "database": str(tmp_path / "bridge.db"), "auth": {"bearer_token": TOKEN},
             "schedulers": {"ops": {"type": "webhook", "url": ops.url, "secret": "s3cret"}},
@@ -58,8 +73,11 @@ def test_node_named_in_three_incidents_is_flagged_and_drained(tmp_path: Path) ->
                     "rule_files": [str((RULES_DIR / "nodes.yml").resolve())],
                     "alerting": {"alertmanagers": [{"static_configs": [
                         {"targets": [am.url.removeprefix("http://")]}]}]},
-                    "scrape_configs": [{"job_name": "bridge",
-                                        "static_configs": [{"targets": [target]}]}],
+                    "scrape_configs": [
+                        {"job_name": "bridge", "static_configs": [{"targets": [target]}]},
+                        {"job_name": "sidecars", "static_configs": [
+                            {"targets": [f"127.0.0.1:{sidecars.port}"],
+                             "labels": {"instance": node}} for node in SIDECARS]}],
                 }
                 with PrometheusServer(tmp_path / "prom", config=prom_config) as prom:
                     _run(bridge, prom, ops)
@@ -83,6 +101,8 @@ def _run(bridge: httpx.Client, prom: PrometheusServer, ops: Receiver) -> None:
         _incident(bridge, n, "n8")
     wait_until(lambda: _score(prom, "n7") == 2 and _score(prom, "n8") == 2, 60, 0.5,
                message="Prometheus to scrape a score of 2 for n7 and n8")
+    wait_until(lambda: len(prom.query("count by (instance) (robust_sidecar_collector_success)"))
+               == len(SIDECARS), 30, 0.5, message="Prometheus to scrape the four sidecars")
     time.sleep(3)  # several rule evaluations at a score of 2
     assert not prom.query('ALERTS{alertname="SuspectNode"}')
     assert ops.bodies() == []
