@@ -49,13 +49,9 @@ class StepHooks:
                  end_numerics: Callable[[int, bool], None],
                  check_control: Callable[[float, int], None],
                  flush: Callable[[], None], on_error: ErrorHandler) -> None:
-        self.store = store
-        self.options = options
-        self.tracker = tracker
-        self.on_error = on_error
-        self._end_numerics = end_numerics
-        self._check_control = check_control
-        self._flush = flush
+        self.store, self.options, self.tracker, self.on_error = store, options, tracker, on_error
+        # what a step end does beyond its own series
+        self._end_numerics, self._check_control, self._flush = end_numerics, check_control, flush
         self.closed = False
         self.global_step = options.start_step
         self.last_step_end: float | None = None

@@ -11,10 +11,16 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["WRAPPED", "argument", "compiling", "group_label",
-           "is_wrapped", "parameter_index", "payload_bytes"]
+__all__ = ["WRAPPED", "argument", "compiling", "group_label", "is_wrapped", "mark_wrapped",
+           "parameter_index", "payload_bytes"]
 
 WRAPPED = "_robust_metrics"  # set on every wrapper: a second watch never wraps a wrapper
+
+
+def mark_wrapped(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark `fn` as one of these wrappers; returns it."""
+    setattr(fn, WRAPPED, True)
+    return fn
 
 
 def is_wrapped(fn: Any) -> bool:

@@ -14,19 +14,15 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from robust_metrics.hooks.collectives.common import (
-    WRAPPED,
-    argument,
-    compiling,
-    group_label,
-    is_wrapped,
-    parameter_index,
-    payload_bytes,
-)
+from robust_metrics.hooks.collectives import common
+from robust_metrics.hooks.collectives.common import argument, compiling, group_label, payload_bytes
 from robust_metrics.hooks.collectives.tracker import CollectiveTracker
 from robust_metrics.hooks.patches import Patches
 
 __all__ = ["OP_KINDS", "DistributedCalls", "wrap_call"]
+
+_ASYNC_BY_DEFAULT = {"isend", "irecv"}
+_PEER_ARGUMENTS = ("dst", "src", "group_dst", "group_src")
 
 # torch.distributed function name -> op kind label
 OP_KINDS: dict[str, str] = {
@@ -54,8 +50,6 @@ OP_KINDS: dict[str, str] = {
     "recv": "recv",
     "irecv": "recv",
 }
-_ASYNC_BY_DEFAULT = {"isend", "irecv"}
-_PEER_ARGUMENTS = ("dst", "src", "group_dst", "group_src")
 
 
 class DistributedCalls(Patches):
@@ -67,7 +61,7 @@ class DistributedCalls(Patches):
 
         for fn_name, op in OP_KINDS.items():
             original = getattr(c10d, fn_name, None)
-            if original is None or is_wrapped(original):
+            if original is None or common.is_wrapped(original):
                 continue
             wrapped = wrap_call(tracker, fn_name, op, original)
             for module in (dist, c10d):
@@ -80,9 +74,9 @@ def wrap_call(tracker: CollectiveTracker, fn_name: str, op: str,
     """A torch.distributed function, counted once however its calls nest
     (`all_gather_into_tensor` calls `all_gather_single`)."""
     always_async = fn_name in _ASYNC_BY_DEFAULT
-    group_at, async_at = parameter_index(original, "group"), parameter_index(original, "async_op")
-    peer_at = {name: parameter_index(original, name) for name in _PEER_ARGUMENTS} \
-        if op in ("send", "recv") else {}
+    index = functools.partial(common.parameter_index, original)
+    group_at, async_at = index("group"), index("async_op")
+    peer_at = {name: index(name) for name in _PEER_ARGUMENTS} if op in ("send", "recv") else {}
 
     @functools.wraps(original)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -112,8 +106,7 @@ def wrap_call(tracker: CollectiveTracker, fn_name: str, op: str,
             tracker.on_error("collectives", exc)
         return result
 
-    setattr(wrapper, WRAPPED, True)
-    return wrapper
+    return common.mark_wrapped(wrapper)
 
 
 def _peer(pg: Any, args: tuple[Any, ...], kwargs: dict[str, Any],

@@ -17,15 +17,8 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from robust_metrics.hooks.collectives.common import (
-    WRAPPED,
-    argument,
-    compiling,
-    group_label,
-    is_wrapped,
-    parameter_index,
-    payload_bytes,
-)
+from robust_metrics.hooks.collectives import common
+from robust_metrics.hooks.collectives.common import argument, compiling, group_label, payload_bytes
 from robust_metrics.hooks.collectives.tracker import CollectiveTracker
 from robust_metrics.hooks.patches import Patches
 
@@ -62,16 +55,16 @@ class FunctionalCollectives(Patches):
             return
         for name, op in FUNCTIONAL_OP_KINDS.items():
             original = getattr(funcol, name, None)
-            if original is None or is_wrapped(original):
+            if original is None or common.is_wrapped(original):
                 continue
             self.replace(funcol, name, _wrap_issue(tracker, op, original))
-        if not is_wrapped(funcol.wait_tensor):
+        if not common.is_wrapped(funcol.wait_tensor):
             self.replace(funcol, "wait_tensor", _wrap_wait(tracker, funcol.wait_tensor))
 
 
 def _wrap_issue(tracker: CollectiveTracker, op: str,
                 original: Callable[..., Any]) -> Callable[..., Any]:
-    group_at, tag_at = parameter_index(original, "group"), parameter_index(original, "tag")
+    group_at, tag_at = common.parameter_index(original, "group"), common.parameter_index(original, "tag")
 
     @functools.wraps(original)
     def issue(*args: Any, **kwargs: Any) -> Any:
@@ -99,8 +92,7 @@ def _wrap_issue(tracker: CollectiveTracker, op: str,
             tracker.on_error("collectives", exc)
         return result
 
-    setattr(issue, WRAPPED, True)
-    return issue
+    return common.mark_wrapped(issue)
 
 
 def _wrap_wait(tracker: CollectiveTracker, original: Callable[..., Any]) -> Callable[..., Any]:
@@ -114,8 +106,7 @@ def _wrap_wait(tracker: CollectiveTracker, original: Callable[..., Any]) -> Call
         tracker.guarded(_waited, tracker, tensor, begin)
         return result
 
-    setattr(wait_tensor, WRAPPED, True)
-    return wait_tensor
+    return common.mark_wrapped(wait_tensor)
 
 
 def _waited(tracker: CollectiveTracker, tensor: Any, begin: Any) -> None:

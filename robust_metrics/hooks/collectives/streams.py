@@ -24,7 +24,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from robust_metrics.hooks.collectives.common import WRAPPED, compiling, is_wrapped
+from robust_metrics.hooks.collectives.common import compiling, is_wrapped, mark_wrapped
 from robust_metrics.hooks.collectives.tracker import CollectiveTracker
 from robust_metrics.hooks.patches import Patches
 
@@ -50,8 +50,7 @@ def wrap_record_event(tracker: CollectiveTracker,
                 tracker.on_error("collectives", exc)
         return event
 
-    setattr(record_event, WRAPPED, True)
-    return record_event
+    return mark_wrapped(record_event)
 
 
 def wrap_wait_event(tracker: CollectiveTracker,
@@ -75,8 +74,7 @@ def wrap_wait_event(tracker: CollectiveTracker,
             tracker.guarded(tracker.timer.blocked, begin)
         return result
 
-    setattr(wait_event, WRAPPED, True)
-    return wait_event
+    return mark_wrapped(wait_event)
 
 
 class CudaStreams(Patches):

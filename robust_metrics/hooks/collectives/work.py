@@ -12,7 +12,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from robust_metrics.hooks.collectives.common import WRAPPED, compiling, is_wrapped
+from robust_metrics.hooks.collectives.common import compiling, is_wrapped, mark_wrapped
 from robust_metrics.hooks.collectives.tracker import CollectiveTracker
 from robust_metrics.hooks.patches import Patches
 
@@ -43,5 +43,4 @@ def wrap_wait(tracker: CollectiveTracker, original: Callable[..., Any]) -> Calla
         tracker.guarded(tracker.waited, id(work), begin)
         return result
 
-    setattr(wait, WRAPPED, True)
-    return wait
+    return mark_wrapped(wait)
