@@ -16,16 +16,18 @@ import functools
 import gc
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from robust_metrics import schema
 from robust_metrics.hooks.collectives.common import compiling
-from robust_metrics.hooks.collectives.ddp import DdpProbe
-from robust_metrics.hooks.collectives.tracker import CollectiveTracker
 from robust_metrics.hooks.config import WatchOptions, valid_flops
 from robust_metrics.hooks.guard import ErrorHandler, guard
 from robust_metrics.hooks.patches import Patches
 from robust_metrics.hooks.store import MetricStore
+
+if TYPE_CHECKING:
+    from robust_metrics.hooks.collectives.ddp import DdpProbe
+    from robust_metrics.hooks.collectives.tracker import CollectiveTracker
 
 __all__ = ["STEP_SERIES", "StepHooks", "unwrap_optimizer"]
 

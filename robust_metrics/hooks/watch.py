@@ -9,8 +9,8 @@ parts, each installed and restored by the watch:
   `clip_grad_norm_` or the optimizer's pre-step hook, read without synchronising the GPU;
 - `control.py`: checkpoint requests and phases;
 - `flusher.py`: the writes to the sink, and the thread that keeps them current;
-- `collectives/`: one interception path per way collectives are issued (`robust_metrics.hooks.
-  collectives`), all reporting to one `CollectiveTracker`;
+- `collectives/`: one interception path per way collectives are issued, all reporting to one
+  `CollectiveTracker`;
 - `trace.py`: sampled op traces for `robust-metrics whatif`.
 Every hook body is guarded (`guard.py`): an exception inside robust-metrics is counted in
 `robust_hook_errors_total{where}`, logged once, and never reaches the training loop.

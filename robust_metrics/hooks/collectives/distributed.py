@@ -14,7 +14,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from robust_metrics.hooks.collectives import common
+import robust_metrics.hooks.collectives.common as common
 from robust_metrics.hooks.collectives.common import argument, compiling, group_label, payload_bytes
 from robust_metrics.hooks.collectives.tracker import CollectiveTracker
 from robust_metrics.hooks.patches import Patches
