@@ -226,20 +226,20 @@ def callback_costs() -> dict[str, float]:
     loss.backward()
     norm = torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
     handle = robust_metrics.watch(net, optimizer, backend="null", run="bench")
-    timer = handle.tracker.timer
+    timer, steps, numerics = handle.tracker.timer, handle.steps, handle.numerics
 
     def step_end() -> None:
-        handle._losses.add(loss, source=handle._losses.CAPTURED)
-        handle._grad_norm_from_clip = norm
-        handle._on_step_end(optimizer, (), {})
+        numerics.losses.add(loss, source=numerics.losses.CAPTURED)
+        numerics.grad_norm = norm
+        steps.on_step_end(optimizer, (), {})
 
     def forward() -> None:
-        handle._awaiting_forward = True
-        handle._on_forward(net, (x,))
+        steps.awaiting_forward = True
+        steps.on_forward(net, (x,))
 
     def grad_norm() -> None:
-        handle._grad_norm_from_clip = None
-        handle._on_pre_step(optimizer, (), {})
+        numerics.grad_norm = None
+        numerics.on_pre_step(optimizer, (), {})
 
     def ddp_points() -> None:
         timer.grad_ready()
@@ -249,7 +249,7 @@ def callback_costs() -> dict[str, float]:
 
     payload, gathered = torch.randn(256), torch.empty(256)
     wrapped_gather = c10d.all_gather_single  # the watch's wrapper, while the watch is open
-    original_gather = handle.tracker.originals["all_gather_single"]
+    original_gather = wrapped_gather.__wrapped__  # functools.wraps keeps what it wraps
 
     def collective_wrapper() -> None:
         wrapped_gather(gathered, payload)
@@ -265,7 +265,7 @@ def callback_costs() -> dict[str, float]:
              "collective wrapper: async all_gather_single + Work.wait": async_and_wait,
              "step end (incl. loss and norm read, step timer)": step_end,
              "forward pre-hook": forward,
-             "loss capture in backward()": lambda: handle._capture_loss(loss),
+             "loss capture in backward()": lambda: numerics.capture_loss(loss),
              "DDP timing points (gradient ready, backward end)": ddp_points,
              "gradient norm when the user does not clip": grad_norm}
     try:

@@ -34,7 +34,7 @@ Each rank keeps one time per stream (compute, all-gather, reduce-scatter). The h
 sees the simulation only through the `TimingSource` boundary: a mark is an event at the current
 stream's time, reached once the device has got there. Every collective, `Work.wait()`,
 `Stream.record_event` and `Stream.wait_event` goes through the hook's own wrappers
-(`CollectiveTracker._wrap`, `_wrap_wait`, `hooks/streams.py`) around a fake that moves the
+(`collectives/distributed.py`, `collectives/work.py`, `collectives/streams.py`) around a fake that moves the
 streams' times; the same `StepTimer` and `CollectiveTracker` code as on a real rank turns marks
 into step and blocked seconds; `online_estimate` then applies the alert rules' formulas
 (alert_rules/stragglers.yml). Not modelled: compute slowed by communication kernels sharing the
@@ -51,8 +51,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from robust_metrics.hooks import streams
-from robust_metrics.hooks.collectives import CollectiveTracker
+from robust_metrics.hooks.collectives import CollectiveTracker, streams
+from robust_metrics.hooks.collectives.distributed import wrap_call
+from robust_metrics.hooks.collectives.work import wrap_wait
 from robust_metrics.hooks.timing import StepTimer
 
 __all__ = ["Profile", "SimJob", "SimSource", "online_estimate", "simulate"]
@@ -92,7 +93,7 @@ class SimJob:
     microbatches: int = 4  # pp
     schedule: str = "gpipe"  # pp: or "1f1b"
     # every mark counted on whatever stream it is taken, and no wait between streams seen: the
-    # design before side streams were told apart from the step's (hooks/streams.py)
+    # design before side streams were told apart from the step's (collectives/streams.py)
     legacy: bool = False
 
     def ideal(self) -> SimJob:
@@ -275,7 +276,7 @@ def _sync_all_reduce(view: RankView, end: float) -> None:
     def all_reduce(*args: object, **kwargs: object) -> None:
         view.source.cursor = end
 
-    view.tracker._wrap("all_reduce", "all_reduce", all_reduce)(None)
+    wrap_call(view.tracker, "all_reduce", "all_reduce", all_reduce)(None)
 
 
 def online_estimate(result: SimResult, skip: int = 2) -> dict[str, Any]:
@@ -383,12 +384,12 @@ class SimRank:
         self._work: SimWork | None = None
         self.stall = 0.0  # the compute stream's waits in this step
         self.compute_seconds = 0.0
-        self.all_gather_single = tracker._wrap("all_gather_single", "all_gather", self._sync)
-        self.reduce_scatter_single = tracker._wrap("reduce_scatter_single", "reduce_scatter",
-                                                   self._sync)
-        self.isend = tracker._wrap("isend", "send", self._isend)
-        self.irecv = tracker._wrap("irecv", "recv", self._irecv)
-        self.wait = tracker._wrap_wait(self._wait)
+        self.all_gather_single = wrap_call(tracker, "all_gather_single", "all_gather", self._sync)
+        self.reduce_scatter_single = wrap_call(tracker, "reduce_scatter_single", "reduce_scatter",
+                                                  self._sync)
+        self.isend = wrap_call(tracker, "isend", "send", self._isend)
+        self.irecv = wrap_call(tracker, "irecv", "recv", self._irecv)
+        self.wait = wrap_wait(tracker, self._wait)
         self.record_event = streams.wrap_record_event(tracker, self._record_event)
         self.wait_event = streams.wrap_wait_event(tracker, self._wait_event)
 

@@ -181,7 +181,7 @@ def test_pipeline_sends_and_receives_count_per_pair_on_both_ends() -> None:
 
 
 def test_fsdp_overlap_marked_on_the_side_streams_hides_every_straggler() -> None:
-    """The design before `hooks/streams.py`: blocked marked around each sync collective on the
+    """The design before `hooks/collectives/streams.py`: blocked marked around each sync collective on the
     stream where it is issued. FSDP2 issues its all-gathers and reduce-scatters on their own
     streams, which run ahead of compute and wait there for peers, so those intervals overlap
     compute: a healthy rank reads about half its compute as blocked, and with one rank 1.3x

@@ -239,8 +239,8 @@ def test_exceptions_inside_the_hook_never_reach_training(
         raise RuntimeError("injected failure")
 
     monkeypatch.setattr(handle.tracker.timer, "step_end", broken)
-    monkeypatch.setattr(handle._losses, "add", broken)
-    monkeypatch.setattr(handle, "_on_gc", broken, raising=True)
+    monkeypatch.setattr(handle.numerics.losses, "add", broken)
+    monkeypatch.setattr(handle.steps, "on_gc", broken, raising=True)
     monkeypatch.setattr(handle.sink, "flush", broken)
     train(watched[0], watched[1], 3)  # must not raise
     assert value(handle, "robust_hook_errors_total", where="step") == 3
@@ -603,7 +603,7 @@ def test_squared_compute_sums_the_squares_of_the_steps_compute(watched: tuple) -
     must be of the same per-step compute the summary observes (step minus blocked time)."""
     handle = start(watched)
     timed = iter([[(0.5, 0.2)], [(0.7, 0.1)], [(0.4, 0.4)], [(1.0, 0.0), (0.9, 0.3)]])
-    handle._timed_steps = lambda host_seconds: next(timed)  # type: ignore[method-assign]
+    handle.steps.timed_steps = lambda host_seconds: next(timed)  # type: ignore[method-assign]
     train(watched[0], watched[1], 4)
     computes = [0.3, 0.6, 0.0, 1.0, 0.6]
     assert value(handle, "robust_step_compute_seconds_count") == 5
@@ -618,7 +618,7 @@ def test_squared_compute_is_served_by_the_sidecar_files_and_the_endpoint(
     port = free_port()
     handle = start(watched, backend=backend, metrics_dir=str(tmp_path), port=port,
                    flush_interval=0)
-    handle._timed_steps = lambda host_seconds: [(0.5, 0.2)]  # type: ignore[method-assign]
+    handle.steps.timed_steps = lambda host_seconds: [(0.5, 0.2)]  # type: ignore[method-assign]
     train(watched[0], watched[1], 3)
     if backend == "http":
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()

@@ -10,6 +10,7 @@ import torch
 
 import robust_metrics
 from robust_metrics.hooks.collectives import CollectiveTracker
+from robust_metrics.hooks.collectives.distributed import wrap_call
 
 
 def _step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -107,7 +108,7 @@ def test_an_nccl_group_made_after_watch_is_timed_by_its_completion_hook(
     def all_reduce(tensor: torch.Tensor, group: object = None) -> None:
         pg.seq += 1  # what the process group does when the call enqueues the collective
 
-    wrapped = tracker._wrap("all_reduce", "all_reduce", all_reduce)
+    wrapped = wrap_call(tracker, "all_reduce", "all_reduce", all_reduce)
     wrapped(torch.ones(4), group=pg)
     wrapped(torch.ones(4), group=pg)
     assert len(pg.hooks) == 1
@@ -148,7 +149,7 @@ def test_the_hook_adds_no_cuda_synchronisation() -> None:
         finally:
             torch.cuda.set_sync_debug_mode(0)
         torch.cuda.synchronize()
-        handle._reader.poll()
+        handle.numerics.reader.poll()
         values = {s.name: s.value for s in handle.store.samples()}
     assert values["robust_steps_total"] == 20
     assert values["robust_loss"] > 0 and values["robust_grad_norm"] > 0

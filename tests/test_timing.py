@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import robust_metrics
+from robust_metrics import schema
 from robust_metrics.hooks import timing
 from robust_metrics.hooks.timing import CudaEvents, HostClock, StepTimer
 from tests.test_hook import value
@@ -45,7 +46,7 @@ def test_ddp_keeps_its_own_all_reduce_and_one_parameter_stays_hooked(gloo: None)
     with robust_metrics.watch(model, optimizer, backend="null", run="t") as handle:
         for _ in range(3):
             step(model, optimizer)
-        probe = handle._ddp_probe
+        probe = handle.steps.ddp_probe
         assert probe.watched == 0  # the first layer's weight: its gradient is ready last
         assert len(probe._handles) == 1
         assert value(handle, "robust_step_compute_seconds_count") == 3
@@ -103,7 +104,7 @@ def test_a_changed_graph_hooks_every_parameter_again(gloo: None) -> None:
     model, optimizer = ddp_model()
     with robust_metrics.watch(model, optimizer, backend="null", run="t") as handle:
         step(model, optimizer)
-        probe = handle._ddp_probe
+        probe = handle.steps.ddp_probe
         assert probe.watched == 0
         first = model.module[0]
         x = torch.randn(4, 8)
@@ -227,7 +228,7 @@ def test_a_wait_on_a_side_stream_is_not_the_steps_and_the_stream_is_remembered()
 
 def test_a_cuda_timed_watch_wraps_stream_waits_and_restores_them(
         fake_cuda: type[FakeEvent], monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where the step's stream waits for side streams (hooks/streams.py): only while a watch
+    """Where the step's stream waits for side streams (hooks/collectives/streams.py): only while a watch
     times a CUDA model; a CPU model leaves torch.cuda.Stream alone."""
     originals = (torch.cuda.Stream.record_event, torch.cuda.Stream.wait_event)
     model = torch.nn.Linear(4, 1)
@@ -324,7 +325,7 @@ def test_a_cuda_model_is_timed_by_events_that_see_a_slow_kernel() -> None:
         torch.cuda.synchronize()
         model(x).pow(2).mean().backward()
         optimizer.step()
-        summary = handle._step_duration
+        summary = handle.store.series(schema.STEP_DURATION)
         assert summary.count >= 12
         # every step but the first (timed by the host: no start event) holds the slow kernel
         assert summary.sum >= 0.8 * slow * (summary.count - 1)

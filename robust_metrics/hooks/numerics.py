@@ -1,19 +1,190 @@
 """Loss and gradient-norm capture without synchronising the GPU.
 
-A CUDA scalar is copied to pinned host memory with `non_blocking=True` and an event recorded after
-the copy; the value is read at a later step boundary once the event has completed. On the CPU the
-value is read at once. So the published loss and gradient norm on a GPU lag by about one step.
+The loss is the 0-dim tensor `backward()` runs on (or, under a GradScaler, the one it is asked to
+scale, or the value given to `handle.loss()`); the gradient norm is what `clip_grad_norm_`
+returns, else computed in the optimizer's pre-step hook. A CUDA scalar is copied to pinned host
+memory with `non_blocking=True` and an event recorded after the copy; the value is read at a later
+step boundary once the event has completed. On the CPU the value is read at once. So the
+published loss and gradient norm on a GPU lag by about one step. `Numerics` publishes them, their
+spikes and the first non-finite step.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["DeferredReader", "LossAccumulator", "SpikeDetector", "grad_norm_tensor",
+from robust_metrics import schema
+from robust_metrics.hooks.config import WatchOptions
+from robust_metrics.hooks.guard import ErrorHandler, guard
+from robust_metrics.hooks.patches import Patches
+from robust_metrics.hooks.store import MetricStore
+
+__all__ = ["DeferredReader", "LossAccumulator", "Numerics", "SpikeDetector", "grad_norm_tensor",
            "local_tensor"]
+
+
+class Numerics:
+    """The loss and gradient norm of each step: captured by patching `Tensor.backward`,
+    `clip_grad_norm_` and `GradScaler.scale` and by the optimizer's pre-step hook (`install()`,
+    undone by `restore()`), published at each step end by `end_step()`."""
+
+    def __init__(self, store: MetricStore, options: WatchOptions, on_error: ErrorHandler) -> None:
+        self.store = store
+        self.options = options
+        self.on_error = on_error
+        self.closed = False
+        self.reader = DeferredReader()
+        self.losses = LossAccumulator()
+        self.grad_norm: Any = None  # this step's, from clip_grad_norm_ or the pre-step hook
+        self._nonfinite_step: int | None = None  # see _first_nonfinite
+        self._loss_spikes = SpikeDetector(relative=0.1)
+        self._grad_norm_spikes = SpikeDetector(relative=0.5)
+        self._patches = Patches()
+        # robust_loss and robust_grad_norm appear with their first real value: a placeholder 0
+        # would be scraped as a loss and drag the spike baselines down.
+        self._nonfinite_loss = store.series(schema.NONFINITE_LOSS)
+        self._nonfinite_grad = store.series(schema.NONFINITE_GRAD)
+
+    def install(self, optimizer: Any) -> None:
+        """`optimizer`: the torch optimizer itself (unwrapped from a framework's), or None."""
+        import torch
+
+        patches = self._patches
+        if optimizer is not None:
+            patches.handle(optimizer.register_step_pre_hook(self.on_pre_step))
+        patches.replace(torch.Tensor, "backward", self._wrap_backward(torch.Tensor.backward))
+        try:
+            from torch.amp import GradScaler
+        except Exception:
+            GradScaler = None
+        if GradScaler is not None:
+            patches.replace(GradScaler, "scale", self._wrap_scaler_scale(GradScaler.scale))
+        for module in (torch.nn.utils, torch.nn.utils.clip_grad):
+            patches.replace(module, "clip_grad_norm_", self._wrap_clip(module.clip_grad_norm_))
+
+    def restore(self) -> None:
+        self._patches.restore()
+
+    # -- capture ---------------------------------------------------------------------------
+    def _wrap_backward(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        numerics = self
+
+        @functools.wraps(original)
+        def backward(tensor: Any, *args: Any, **kwargs: Any) -> Any:
+            if not numerics.closed:
+                numerics.capture_loss(tensor)
+            return original(tensor, *args, **kwargs)
+
+        return backward
+
+    @guard("loss")
+    def capture_loss(self, tensor: Any) -> None:
+        if tensor.dim() == 0 and tensor.is_floating_point():
+            self.losses.add(tensor, source=LossAccumulator.CAPTURED)
+
+    def _wrap_clip(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        numerics = self
+
+        @functools.wraps(original)
+        def clip_grad_norm_(*args: Any, **kwargs: Any) -> Any:
+            total = original(*args, **kwargs)
+            numerics.grad_norm = total
+            return total
+
+        return clip_grad_norm_
+
+    def _wrap_scaler_scale(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        """The loss a GradScaler is asked to scale is published unscaled."""
+        numerics = self
+
+        @functools.wraps(original)
+        def scale(scaler: Any, outputs: Any) -> Any:
+            if not numerics.closed:
+                numerics._capture_unscaled_loss(scaler, outputs)
+            return original(scaler, outputs)
+
+        return scale
+
+    @guard("loss")
+    def _capture_unscaled_loss(self, scaler: Any, outputs: Any) -> None:
+        if (scaler.is_enabled() and hasattr(outputs, "dim") and outputs.dim() == 0
+                and outputs.is_floating_point()):
+            self.losses.add(outputs, source=LossAccumulator.SCALED)
+
+    @guard("grad_norm")
+    def on_pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self.grad_norm is not None or not self.options.grad_norm:
+            return
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        total = grad_norm_tensor(params)
+        if total is not None:
+            self.grad_norm = total
+
+    # -- publish ---------------------------------------------------------------------------
+    def end_step(self, step: int, skipped: bool) -> None:
+        """Submit step `step`'s loss and gradient norm (none for a step the GradScaler skipped:
+        its overflow is no NaN) and publish every value read by now. The values are read a step
+        late on GPUs: each carries the step (and batch) it belongs to."""
+        batch = self._position()
+        taken = self.losses.take()
+        if taken is not None:
+            total, count = taken  # divided on the host once read: no extra tensor op per step
+            if hasattr(total, "detach"):
+                self.reader.submit(total, lambda value: self._record_loss(value / count, step,
+                                                                          batch))
+            else:
+                self._record_loss(float(total) / count, step, batch)
+        norm, self.grad_norm = self.grad_norm, None
+        if norm is not None and not skipped:
+            if hasattr(norm, "detach"):
+                self.reader.submit(norm, lambda value: self._record_grad_norm(value, step,
+                                                                              batch))
+            else:
+                self._record_grad_norm(float(norm), step, batch)
+        self.reader.poll()
+
+    def _record_loss(self, value: float, step: int, batch: int | None = None) -> None:
+        self.store.series(schema.LOSS, initial=value).set(value)
+        if not is_finite(value):
+            self._nonfinite_loss.inc()
+            self._first_nonfinite(step, batch)
+        elif self._loss_spikes.update(value):  # created at the first spike: no series budget
+            self.store.series(schema.LOSS_SPIKES).inc()
+
+    def _record_grad_norm(self, value: float, step: int, batch: int | None = None) -> None:
+        self.store.series(schema.GRAD_NORM, initial=value).set(value)
+        if not is_finite(value):
+            self._nonfinite_grad.inc()
+            self._first_nonfinite(step, batch)
+        elif self._grad_norm_spikes.update(value):
+            self.store.series(schema.GRAD_NORM_SPIKES).inc()
+
+    def _first_nonfinite(self, step: int, batch: int | None) -> None:
+        """Name the step (and batch) of this process's first non-finite value, once: the bridge
+        compares the step with the one where it recurs, or not, after a restart."""
+        if self._nonfinite_step is None or step < self._nonfinite_step:
+            self._nonfinite_step = step
+            self.store.series(schema.NONFINITE_FIRST_STEP).set(step)
+            if batch is not None:
+                self.store.series(schema.NONFINITE_FIRST_BATCH).set(batch)
+
+    def _position(self) -> int | None:
+        """This step's batch position from the user's callable (None when not given or when it
+        failed: a hook error, never an exception in training)."""
+        if self.options.batch_position is None:
+            return None
+        return self._call_position()
+
+    @guard("batch_position")
+    def _call_position(self) -> int | None:
+        value = self.options.batch_position() if self.options.batch_position else None
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+            raise TypeError(f"batch_position returned {value!r}, not an int")
+        return value
 
 
 class DeferredReader:

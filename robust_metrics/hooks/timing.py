@@ -22,10 +22,9 @@ sync calls on side streams of their own (`all_gather_single(async_op=False)` whi
 stream is current), where they overlap compute: a wait there is the side stream's, not the
 rank's. So an interval marked on a side stream is not counted; that stream is remembered as
 carrying communication, and the step's stream waiting for an event recorded on it (FSDP2's
-copy-out, its reduce-scatter waits) is the blocked time instead (`robust_metrics.hooks.streams`).
-
-`DdpProbe` finds those two DDP points with post-accumulate-grad hooks and an autograd final
-callback, and leaves DDP's own C++ all-reduce in place (no Python communication hook).
+copy-out, its reduce-scatter waits) is the blocked time instead
+(`robust_metrics.hooks.collectives.streams`). DDP's two points are found by
+`robust_metrics.hooks.collectives.ddp`.
 """
 
 from __future__ import annotations
@@ -37,7 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-__all__ = ["CudaEvents", "DdpProbe", "HostClock", "StepTimer", "TimingSource", "source_for"]
+__all__ = ["CudaEvents", "HostClock", "StepTimer", "TimingSource", "source_for"]
 
 Mark = Any
 
@@ -169,7 +168,7 @@ class StepTimer:
         Unless a side stream is current (FSDP2's all-gather and reduce-scatter streams): then
         that stream waited while the step's stream may have computed, and nothing is counted
         here; the stream is remembered, so that the step's stream waiting for it counts
-        (`robust_metrics.hooks.streams`).
+        (`robust_metrics.hooks.collectives.streams`).
         """
         side = self.source.side_stream()
         if side is not None:
@@ -255,114 +254,3 @@ class StepTimer:
         elapsed = self.source.elapsed
         blocked = sum(max(0.0, elapsed(b, e)) for b, e in intervals)
         return min(blocked, max(seconds, 0.0))
-
-
-class DdpProbe:
-    """The two points of a DDP step that bound its exposed gradient reduction.
-
-    `grad_ready` fires from a post-accumulate-grad hook on the parameter whose gradient is ready
-    last (found in the first backward, when every trainable parameter is hooked; found again if
-    it stops firing), which is when DDP launches its last bucket. `backward_end` fires from an
-    autograd final callback queued behind DDP's own (DDP waits for its buckets in its callback),
-    which is when backward returns. `on_launch()` is told when the watched gradient is ready
-    (DDP's reduction entered; in the first backward, which finds that parameter, at its first
-    gradient) and
-    `on_window(ready, end)` of each closed window, neither under `no_sync()`.
-    """
-
-    def __init__(self, model: Any, timer: StepTimer,
-                 on_window: Callable[[Mark, Mark], None],
-                 on_error: Callable[[str, BaseException], None],
-                 on_launch: Callable[[], None] | None = None) -> None:
-        from torch.autograd import Variable
-
-        self._queue = Variable._execution_engine.queue_callback
-        self._model = model
-        self._timer = timer
-        self._on_window = on_window
-        self._on_launch = on_launch
-        self._on_error = on_error
-        ignored = set(getattr(model, "parameters_to_ignore", ()) or ())
-        self._params = [p for n, p in model.module.named_parameters()
-                        if p.requires_grad and n not in ignored]
-        self._handles: list[Any] = []
-        self._order: list[int] = []
-        self._queued = False
-        self._fired = False
-        self.watched: int | None = None
-        self.nbytes = sum(p.numel() * p.element_size() for p in self._params)
-
-    def install(self) -> Callable[[], None]:
-        self._hook_all()
-        return self.remove
-
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-
-    def _hook_all(self) -> None:
-        self.remove()
-        self.watched = None
-        self._order = []
-        self._handles = [p.register_post_accumulate_grad_hook(self._hook(i))
-                         for i, p in enumerate(self._params)]
-
-    def _hook(self, index: int) -> Callable[[Any], None]:
-        def on_grad(param: Any) -> None:
-            try:
-                if self.watched is None:
-                    if not self._order and self._on_launch is not None and self._syncing():
-                        # The backward that finds the last-ready parameter: the reduction is
-                        # entered with the first gradient, so that a rank waiting in the first
-                        # step's reduction is told from a rank that never reached it.
-                        self._on_launch()
-                    self._order.append(index)
-                elif self._on_launch is not None and self._syncing():
-                    self._on_launch()  # DDP launches its last bucket now: entered, not done
-                self._fired = True
-                self._timer.grad_ready()
-                if not self._queued:
-                    self._queued = True
-                    self._queue(self._requeue)
-            except Exception as exc:
-                self._on_error("ddp_timing", exc)
-
-        return on_grad
-
-    def _requeue(self) -> None:
-        # Queued from a gradient hook, which may run before DDP queued its own final callback;
-        # queued again from here, it runs after every callback queued so far, DDP's included.
-        try:
-            self._queue(self._after_backward)
-        except Exception as exc:
-            self._queued = False
-            self._on_error("ddp_timing", exc)
-
-    def _after_backward(self) -> None:
-        self._queued = False
-        try:
-            window = self._timer.backward_end()
-            if self.watched is None and self._order:
-                self._keep(self._order[-1])
-            if window is not None and self._syncing():
-                self._on_window(*window)
-        except Exception as exc:
-            self._on_error("ddp_timing", exc)
-
-    def _syncing(self) -> bool:
-        """False under DDP's no_sync(): that backward reduces nothing."""
-        return bool(getattr(self._model, "require_backward_grad_sync", True))
-
-    def _keep(self, index: int) -> None:
-        """After the first backward, only the last-ready parameter stays hooked."""
-        self.remove()
-        self.watched = index
-        self._handles = [self._params[index].register_post_accumulate_grad_hook(self._hook(index))]
-
-    def step_end(self) -> None:
-        """A step whose backward never fired the watched hook (the graph changed): hook all again."""
-        if self.watched is not None and not self._fired:
-            self._hook_all()
-        self._fired = False
-        self._queued = False  # a backward that raised never ran its final callbacks

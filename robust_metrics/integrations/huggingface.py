@@ -36,7 +36,7 @@ class RobustMetricsCallback(TrainerCallback):  # type: ignore[misc]
             self.handle.phase("train")
 
     def on_prediction_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.handle is not None and self.handle._phase != "eval":
+        if self.handle is not None and self.handle.control.phase != "eval":
             self.handle.phase("eval")
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

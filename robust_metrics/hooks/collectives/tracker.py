@@ -1,161 +1,37 @@
-"""Collective timing: count, seconds and bytes per op kind and process group, and time blocked.
+"""The accounting every interception path reports to: count, seconds and bytes per op kind and
+process group, collectives entered and completed, and the intervals a rank was blocked.
 
-One timing model for every parallelism. Collectives reach a process group by four paths, and each
-is seen where it is issued and where it is waited for, never by wrapping what it returns (FSDP2
-checks `isinstance(work, Work)`):
-- the `torch.distributed` functions (`all_reduce`, `all_gather_single`, `reduce_scatter_single`,
-  `isend`, ...), wrapped while a watch is active: FSDP2, pipeline send/recv and
-  `batch_isend_irecv`, user code. A call that nests another (`all_gather_into_tensor` calls
-  `all_gather_single`) counts once;
-- `Work.wait`, patched on the class: an async collective blocks its caller only there;
-- the functional collectives behind DTensor and tensor parallelism (`hooks/funcol.py`): issued
-  by `funcol.all_reduce`, `funcol.all_gather_single`, ..., waited for in `funcol.wait_tensor`;
-- DDP's gradient reduction, C++ only, seen from two points per step
-  (`robust_metrics.hooks.timing.DdpProbe`).
-
-Time *blocked* is what separates a straggler from its victims: in a synchronous collective the slow
-rank waits least. A rank is blocked for the whole of a sync call, for the time inside a wait of an
-async one, and, for DDP, from its last gradient being ready to backward returning. These intervals
-are marks of the step's `StepTimer` (host clock on the CPU, CUDA events on the current stream on
-GPUs), so on NCCL they measure the time the stream waited, not the enqueue.
-
-Per-collective durations: on the host, launch to completion (the call's return, the async work's
-future, or, for works without one such as gloo's send/recv, the end of its wait); on NCCL, from the
-process group's completion hook (`TORCH_NCCL_ENABLE_TIMING=1` for device-side durations), which
-also sees DDP's buckets and every functional collective. There the process group's own sequence
-number counts the collectives entered, and the completion hook counts those completed: a rank whose
-count entered lags never launched the collective (a CPU-side hang), one whose completed count lags
-launched it and the device never finished it. Inside `torch.compile`d code every wrapper steps
-aside (compiled graphs issue their collectives themselves): no graph break, no recompilation.
+`CollectiveTracker` is told of a collective entered (`enter`), waited for (`finish`, `waited`),
+or completed by its future (`pending_work`); on NCCL the process group's completion hook
+(`attach_nccl_completion_hook`) counts and times them instead. It knows nothing of how a
+collective was issued: that is each path's module (see `robust_metrics.hooks.collectives`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
-import inspect
 import logging
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from robust_metrics import schema
+from robust_metrics.hooks.collectives.common import group_label
 from robust_metrics.hooks.timing import HostClock, StepTimer
 
-__all__ = ["OP_KINDS", "CollectiveTracker", "compiling", "group_label"]
+if TYPE_CHECKING:
+    from robust_metrics.hooks.store import MetricStore
 
-log = logging.getLogger(__name__)
+__all__ = ["CollectiveTracker", "Launch"]
 
-# torch.distributed function name -> op kind label
-OP_KINDS: dict[str, str] = {
-    "all_reduce": "all_reduce",
-    "reduce": "reduce",
-    "reduce_scatter": "reduce_scatter",
-    "reduce_scatter_tensor": "reduce_scatter",
-    "all_gather": "all_gather",
-    "all_gather_into_tensor": "all_gather",
-    "all_gather_object": "all_gather",
-    "broadcast": "broadcast",
-    "all_to_all": "all_to_all",
-    "all_to_all_single": "all_to_all",
-    "gather": "gather",
-    "scatter": "scatter",
-    "barrier": "barrier",
-    "all_gather_single": "all_gather",
-    "_all_gather_base": "all_gather",
-    "all_gather_coalesced": "all_gather",
-    "reduce_scatter_single": "reduce_scatter",
-    "_reduce_scatter_base": "reduce_scatter",
-    "all_reduce_coalesced": "all_reduce",
-    "send": "send",
-    "isend": "send",
-    "recv": "recv",
-    "irecv": "recv",
-}
-_ASYNC_BY_DEFAULT = {"isend", "irecv"}
-
-
-def group_label(group: Any) -> str:
-    """A bounded, human label for a process group: its description, else its name."""
-    try:
-        import torch.distributed as dist
-
-        pg = group if group is not None else dist.distributed_c10d._get_default_group()
-        desc = getattr(pg, "group_desc", "") or ""
-        if desc and desc != "undefined":
-            return desc
-        return str(getattr(pg, "group_name", "") or "default_pg")
-    except Exception:
-        return "unknown"
-
-
-def _payload_bytes(value: Any) -> int:
-    """Bytes of a tensor or a (nested) list of tensors; 0 for anything else."""
-    if hasattr(value, "element_size") and hasattr(value, "numel"):
-        return int(value.numel()) * int(value.element_size())
-    if isinstance(value, list | tuple):
-        return sum(_payload_bytes(v) for v in value)
-    return 0
-
-
-def compiling() -> bool:
-    """True while `torch.compile` traces: wrappers then call straight through (Dynamo folds
-    this to a constant, so a wrapper adds no graph break)."""
-    import torch
-
-    return torch.compiler.is_compiling()
-
-
-def _positions(fn: Callable[..., Any], name: str) -> int | None:
-    """The positional index of parameter `name` of `fn`, found once when a function is wrapped."""
-    try:
-        names = list(inspect.signature(fn).parameters)
-    except (TypeError, ValueError):
-        return None
-    return names.index(name) if name in names else None
-
-
-_PEER_ARGUMENTS = ("dst", "src", "group_dst", "group_src")
-
-
-def _peer(pg: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
-          peer_at: dict[str, int | None]) -> int | None:
-    """The global rank a send or receive connects to (from `dst`/`src` or their group ranks)."""
-    import torch.distributed as dist
-
-    for name in ("dst", "src"):
-        peer = _argument(args, kwargs, name, peer_at[name])
-        if peer is not None:
-            return int(peer)
-    for name in ("group_dst", "group_src"):
-        group_peer = _argument(args, kwargs, name, peer_at[name])
-        if group_peer is not None:
-            pg = pg if pg is not None else dist.distributed_c10d._get_default_group()
-            return int(dist.get_global_rank(pg, int(group_peer)))
-    return None
-
-
-def _pair_label(group: str, peer: int) -> str:
-    """Where a send or receive counts as entered: the pair of global ranks it connects, within its
-    group (`pp:0-1`). A pipeline stage sends and receives more or less than its neighbours
-    (the first and last stages half as much), so counts per group would name the end stages
-    in every hang; within a pair, each send meets one receive and healthy counts agree."""
-    import torch.distributed as dist
-
-    low, high = sorted((int(dist.get_rank()), peer))
-    return f"{group}:{low}-{high}"
-
-
-def _argument(args: tuple[Any, ...], kwargs: dict[str, Any], name: str, at: int | None) -> Any:
-    if name in kwargs:
-        return kwargs[name]
-    return args[at] if at is not None and at < len(args) else None
+log = logging.getLogger("robust_metrics.hooks.collectives")
 
 
 @dataclass
-class _Launch:
+class Launch:
     """One collective entered: its kind, group, host start, timer mark, and whether counted done."""
 
     op: str
@@ -189,17 +65,17 @@ class _Pending:
 
     def __init__(self, limit: int = 4096) -> None:
         self._lock = threading.Lock()
-        self._items: OrderedDict[int, _Launch] = OrderedDict()
+        self._items: OrderedDict[int, Launch] = OrderedDict()
         self._limit = limit
 
-    def add(self, key: int, launch: _Launch) -> None:
+    def add(self, key: int, launch: Launch) -> None:
         with self._lock:
             self._items[key] = launch
             self._items.move_to_end(key)
             while len(self._items) > self._limit:
                 self._items.popitem(last=False)
 
-    def pop(self, key: int) -> _Launch | None:
+    def pop(self, key: int) -> Launch | None:
         with self._lock:
             return self._items.pop(key, None)
 
@@ -227,12 +103,10 @@ class CollectiveTracker:
         self.entered: dict[str, int] = {}
         self.completed: dict[str, int] = {}
         self.timer = timer if timer is not None else StepTimer(HostClock())
-        self._on_error = on_error
-        self._patched: dict[tuple[Any, str], Any] = {}
+        self.on_error = on_error
         self._groups_timed_by_hook: dict[str, tuple[Any, int]] = {}  # group -> (pg, seq at attach)
         self.closed = False
-        self.originals: dict[str, Callable[..., Any]] = {}
-        self._seen_groups: set[int] = set()
+        self.seen_groups: set[int] = set()
         self._ddp_launched = False
         self.calls = _CallScope()
         self.pending = _Pending()
@@ -243,7 +117,7 @@ class CollectiveTracker:
     def watch_group(self, group: Any) -> None:
         """First use of a process group: an NCCL group gets the completion hook, because host
         times of NCCL calls are enqueue times (groups made after `watch()` included)."""
-        self._seen_groups.add(id(group))
+        self.seen_groups.add(id(group))
         import torch.distributed as dist
 
         if not dist.is_initialized():
@@ -338,108 +212,35 @@ class CollectiveTracker:
                 entered[group] = int(pg._get_sequence_number_for_group()) - base
         return stats, entered, completed
 
-    # -- torch.distributed functions ---------------------------------------------------------
-    def patch(self) -> None:
-        """Wrap the torch.distributed collective functions and `Work.wait` for the watch's life,
-        and the functional collectives (DTensor, tensor parallelism; `hooks/funcol.py`)."""
-        import torch.distributed as dist
-        import torch.distributed.distributed_c10d as c10d
+    def publish(self, store: MetricStore) -> None:
+        """Copy the counts into `store`'s collective series (when it is read)."""
+        stats, entered, completed = self.snapshot()
+        for (op, group), value in stats.items():
+            summary = store.series(schema.COLLECTIVE_DURATION, op=op, group=group)
+            summary.count, summary.sum = float(value.count), value.seconds
+            store.series(schema.COLLECTIVE_BYTES, op=op, group=group).value = float(value.bytes)
+        for group, count in entered.items():
+            store.series(schema.COLLECTIVES_ENTERED, group=group).value = float(count)
+        for group, count in completed.items():
+            store.series(schema.COLLECTIVES_COMPLETED, group=group).value = float(count)
 
-        for fn_name, op in OP_KINDS.items():
-            original = getattr(c10d, fn_name, None)
-            if original is None or getattr(original, "_robust_metrics", False):
-                continue
-            self.originals[fn_name] = original
-            wrapped = self._wrap(fn_name, op, original)
-            for module in (dist, c10d):
-                if getattr(module, fn_name, None) is original:
-                    self._patched[(module, fn_name)] = original
-                    setattr(module, fn_name, wrapped)
-        work_class = c10d.Work
-        if not getattr(work_class.wait, "_robust_metrics", False):
-            self._patched[(work_class, "wait")] = work_class.wait
-            work_class.wait = self._wrap_wait(work_class.wait)
-        from robust_metrics.hooks import funcol
-
-        self._patched.update(funcol.patch(self))
-
-    def unpatch(self) -> None:
+    def close(self) -> None:
+        """The watch is closing: every wrapper still reachable calls straight through."""
         self.closed = True
-        for (owner, fn_name), original in self._patched.items():
-            setattr(owner, fn_name, original)
-        self._patched.clear()
-
-    def _wrap(self, fn_name: str, op: str, original: Callable[..., Any]) -> Callable[..., Any]:
-        """A torch.distributed function, counted once however its calls nest
-        (`all_gather_into_tensor` calls `all_gather_single`)."""
-        tracker = self
-        always_async = fn_name in _ASYNC_BY_DEFAULT
-        group_at, async_at = _positions(original, "group"), _positions(original, "async_op")
-        peer_at = {name: _positions(original, name) for name in _PEER_ARGUMENTS} \
-            if op in ("send", "recv") else {}
-
-        @functools.wraps(original)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            if tracker.closed or tracker.calls.inside or compiling():
-                return original(*args, **kwargs)
-            try:
-                pg = _argument(args, kwargs, "group", group_at)
-                if id(pg) not in tracker._seen_groups:
-                    tracker.watch_group(pg)
-                group = group_label(pg)
-                peer = _peer(pg, args, kwargs, peer_at) if peer_at else None
-                counted = _pair_label(group, peer) if peer is not None else None
-                launch = tracker.enter(op, group, _payload_bytes(args[0]) if args else 0,
-                                       counted, peer)
-            except Exception as exc:  # accounting must never break the collective
-                tracker._on_error("collectives", exc)
-                return original(*args, **kwargs)
-            with tracker.calls:
-                result = original(*args, **kwargs)
-            try:
-                if result is None or not (always_async or _argument(args, kwargs, "async_op",
-                                                                    async_at)):
-                    tracker.finish(launch)  # a sync call: the rank was blocked all along
-                else:
-                    tracker.pending_work(result, launch)
-            except Exception as exc:
-                tracker._on_error("collectives", exc)
-            return result
-
-        wrapper._robust_metrics = True  # type: ignore[attr-defined]
-        return wrapper
-
-    def _wrap_wait(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        """`Work.wait` for every work object, so that code which checks
-        `isinstance(work, Work)` (FSDP2) still gets the real one: the time inside is blocked."""
-        tracker = self
-
-        @functools.wraps(original)
-        def wait(work: Any, *args: Any, **kwargs: Any) -> Any:
-            if tracker.closed or tracker.calls.inside or compiling():
-                return original(work, *args, **kwargs)
-            begin = tracker.timer.mark()
-            with tracker.calls:
-                result = original(work, *args, **kwargs)
-            tracker.guarded(tracker.waited, id(work), begin)
-            return result
-
-        wait._robust_metrics = True  # type: ignore[attr-defined]
-        return wait
 
     # -- launches, waits and completions ---------------------------------------------------
     def enter(self, op: str, group: str, nbytes: int, counted: str | None = None,
-              peer: int | None = None) -> _Launch:
+              peer: int | None = None) -> Launch:
         """A collective entered: counted, its bytes added, its start marked."""
-        return _Launch(op, group, self.launch(op, group, nbytes, counted), self.timer.mark(),
+        return Launch(op, group, self.launch(op, group, nbytes, counted), self.timer.mark(),
                        counted, peer)
 
-    def finish(self, launch: _Launch, begin: Any = None) -> None:
+    def finish(self, launch: Launch, begin: Any = None) -> None:
         """The caller waited for `launch` from `begin` (its start when None) until now."""
         self.timer.blocked(launch.begin if begin is None else begin)
         self.settle(launch)
 
-    def settle(self, launch: _Launch) -> None:
+    def settle(self, launch: Launch) -> None:
         """Count `launch` completed, once, with the host time since it was entered."""
         with self._lock:
             if launch.done:
@@ -449,7 +250,7 @@ class CollectiveTracker:
         if self.on_span is not None:
             self.on_span(launch.op, launch.peer, launch.begin, self.timer.mark())
 
-    def pending_work(self, work: Any, launch: _Launch) -> None:
+    def pending_work(self, work: Any, launch: Launch) -> None:
         """An async `Work`: completed by its future where the backend has one (gloo
         collectives), else when it is waited for (gloo send/recv have no future)."""
         self.pending.add(id(work), launch)
@@ -476,7 +277,7 @@ class CollectiveTracker:
         try:
             fn(*args)
         except Exception as exc:
-            self._on_error("collectives", exc)
+            self.on_error("collectives", exc)
 
     # -- NCCL ------------------------------------------------------------------------------
     def attach_nccl_completion_hook(self, pg: Any) -> bool:
@@ -501,7 +302,7 @@ class CollectiveTracker:
                 seconds = duration.total_seconds() if duration is not None else 0.0
                 self.record_completion(op, group, seconds, from_hook=True)
             except Exception as exc:
-                self._on_error("collectives", exc)
+                self.on_error("collectives", exc)
 
         register(on_complete)
         base = 0

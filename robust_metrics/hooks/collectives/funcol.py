@@ -15,14 +15,14 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from robust_metrics.hooks.collectives import _argument, _payload_bytes, _positions, compiling
+import robust_metrics.hooks.collectives.common as common
+from robust_metrics.hooks.collectives.common import argument, compiling, group_label, payload_bytes
+from robust_metrics.hooks.collectives.tracker import CollectiveTracker
+from robust_metrics.hooks.patches import Patches
 
-if TYPE_CHECKING:
-    from robust_metrics.hooks.collectives import CollectiveTracker
-
-__all__ = ["FUNCTIONAL_OP_KINDS", "patch"]
+__all__ = ["FUNCTIONAL_OP_KINDS", "FunctionalCollectives", "group_of"]
 
 FUNCTIONAL_OP_KINDS: dict[str, str] = {
     "broadcast": "broadcast",
@@ -45,40 +45,37 @@ FUNCTIONAL_OP_KINDS: dict[str, str] = {
 }
 
 
-def patch(tracker: CollectiveTracker) -> dict[tuple[Any, str], Any]:
-    """Wrap the functional collectives and `wait_tensor`; return {(module, name): original}."""
-    try:
-        import torch.distributed._functional_collectives as funcol
-    except Exception:  # a torch build without distributed support
-        return {}
-    originals: dict[tuple[Any, str], Any] = {}
-    for name, op in FUNCTIONAL_OP_KINDS.items():
-        original = getattr(funcol, name, None)
-        if original is None or getattr(original, "_robust_metrics", False):
-            continue
-        originals[(funcol, name)] = original
-        setattr(funcol, name, _wrap_issue(tracker, op, original))
-    wait = funcol.wait_tensor
-    if not getattr(wait, "_robust_metrics", False):
-        originals[(funcol, "wait_tensor")] = wait
-        funcol.wait_tensor = _wrap_wait(tracker, wait)
-    return originals
+class FunctionalCollectives(Patches):
+    """Interception path: the functional collectives and their `wait_tensor`."""
+
+    def install(self, tracker: CollectiveTracker) -> None:
+        try:
+            import torch.distributed._functional_collectives as funcol
+        except Exception:  # a torch build without distributed support
+            return
+        for name, op in FUNCTIONAL_OP_KINDS.items():
+            original = getattr(funcol, name, None)
+            if original is None or common.is_wrapped(original):
+                continue
+            self.replace(funcol, name, _wrap_issue(tracker, op, original))
+        if not common.is_wrapped(funcol.wait_tensor):
+            self.replace(funcol, "wait_tensor", _wrap_wait(tracker, funcol.wait_tensor))
 
 
 def _wrap_issue(tracker: CollectiveTracker, op: str,
                 original: Callable[..., Any]) -> Callable[..., Any]:
-    group_at, tag_at = _positions(original, "group"), _positions(original, "tag")
+    group_at, tag_at = common.parameter_index(original, "group"), common.parameter_index(original, "tag")
 
     @functools.wraps(original)
     def issue(*args: Any, **kwargs: Any) -> Any:
         if tracker.closed or tracker.calls.inside or compiling():
             return original(*args, **kwargs)
         try:
-            group = group_of(_argument(args, kwargs, "group", group_at),
-                             _argument(args, kwargs, "tag", tag_at) or "")
-            launch = tracker.enter(op, group, _payload_bytes(args[0]) if args else 0)
+            group = group_of(argument(args, kwargs, "group", group_at),
+                             argument(args, kwargs, "tag", tag_at) or "")
+            launch = tracker.enter(op, group, payload_bytes(args[0]) if args else 0)
         except Exception as exc:
-            tracker._on_error("collectives", exc)
+            tracker.on_error("collectives", exc)
             return original(*args, **kwargs)
         with tracker.calls:
             result = original(*args, **kwargs)
@@ -92,11 +89,10 @@ def _wrap_issue(tracker: CollectiveTracker, op: str,
                     tracker.pending.add(key, replace(launch, done=True))
                 tracker.pending.add(keys[-1], launch)
         except Exception as exc:
-            tracker._on_error("collectives", exc)
+            tracker.on_error("collectives", exc)
         return result
 
-    issue._robust_metrics = True  # type: ignore[attr-defined]
-    return issue
+    return common.mark_wrapped(issue)
 
 
 def _wrap_wait(tracker: CollectiveTracker, original: Callable[..., Any]) -> Callable[..., Any]:
@@ -110,8 +106,7 @@ def _wrap_wait(tracker: CollectiveTracker, original: Callable[..., Any]) -> Call
         tracker.guarded(_waited, tracker, tensor, begin)
         return result
 
-    wait_tensor._robust_metrics = True  # type: ignore[attr-defined]
-    return wait_tensor
+    return common.mark_wrapped(wait_tensor)
 
 
 def _waited(tracker: CollectiveTracker, tensor: Any, begin: Any) -> None:
@@ -138,8 +133,6 @@ def group_of(group: Any, tag: str = "") -> str:
     DeviceMesh, (mesh, dim), a group name or a list of ranks."""
     import torch.distributed._functional_collectives as funcol
     import torch.distributed.distributed_c10d as c10d
-
-    from robust_metrics.hooks.collectives import group_label
 
     if isinstance(group, c10d.ProcessGroup):
         return group_label(group)

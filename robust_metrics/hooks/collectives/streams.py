@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from robust_metrics.hooks.collectives import compiling
+from robust_metrics.hooks.collectives.common import compiling, is_wrapped, mark_wrapped
+from robust_metrics.hooks.collectives.tracker import CollectiveTracker
+from robust_metrics.hooks.patches import Patches
 
-if TYPE_CHECKING:
-    from robust_metrics.hooks.collectives import CollectiveTracker
-
-__all__ = ["COMM", "wrap_record_event", "wrap_wait_event"]
+__all__ = ["COMM", "CudaStreams", "wrap_record_event", "wrap_wait_event"]
 
 COMM = "_robust_metrics_comm"  # attribute set on an event recorded after a side collective
 
@@ -48,11 +47,10 @@ def wrap_record_event(tracker: CollectiveTracker,
                 if stream in side:
                     setattr(event, COMM, True)
             except Exception as exc:
-                tracker._on_error("collectives", exc)
+                tracker.on_error("collectives", exc)
         return event
 
-    record_event._robust_metrics = True  # type: ignore[attr-defined]
-    return record_event
+    return mark_wrapped(record_event)
 
 
 def wrap_wait_event(tracker: CollectiveTracker,
@@ -70,26 +68,24 @@ def wrap_wait_event(tracker: CollectiveTracker,
             if source.is_step_stream(stream) and source.side_stream() is None:
                 begin = tracker.timer.mark()  # on the step's stream, before its wait
         except Exception as exc:
-            tracker._on_error("collectives", exc)
+            tracker.on_error("collectives", exc)
         result = original(stream, event, *args, **kwargs)
         if begin is not None:
             tracker.guarded(tracker.timer.blocked, begin)
         return result
 
-    wait_event._robust_metrics = True  # type: ignore[attr-defined]
-    return wait_event
+    return mark_wrapped(wait_event)
 
 
-def patch(tracker: CollectiveTracker) -> dict[tuple[Any, str], Any]:
-    """Wrap `torch.cuda.Stream.record_event` and `wait_event`; return {(class, name): original}."""
-    import torch
+class CudaStreams(Patches):
+    """Interception path: `torch.cuda.Stream.record_event` and `wait_event`."""
 
-    stream_class = torch.cuda.Stream
-    originals: dict[tuple[Any, str], Any] = {}
-    for name, wrap in (("record_event", wrap_record_event), ("wait_event", wrap_wait_event)):
-        original = stream_class.__dict__.get(name)
-        if original is None or getattr(original, "_robust_metrics", False):
-            continue
-        originals[(stream_class, name)] = original
-        setattr(stream_class, name, wrap(tracker, original))
-    return originals
+    def install(self, tracker: CollectiveTracker) -> None:
+        import torch
+
+        stream_class = torch.cuda.Stream
+        for name, wrap in (("record_event", wrap_record_event), ("wait_event", wrap_wait_event)):
+            original = stream_class.__dict__.get(name)
+            if original is None or is_wrapped(original):
+                continue
+            self.replace(stream_class, name, wrap(tracker, original))
