@@ -50,7 +50,7 @@ _INCIDENTS = Section("Incidents, suspect nodes and badput", (
     PanelSpec("Suspect nodes", "table",
               (Target(f"max by (node) (robust_bridge_node_incidents{{{NODES}}}) > 0", "", True),),
               "Incidents that named each node within the bridge's node window, across runs. "
-              "SuspectNode drains a node at 3.",
+              "SuspectNode flags a node at 3 that has 3x the other nodes' mean.",
               width=8, needs=Needs.INCIDENT,
               style=chain(hide_time, table_sorted("Value"),
                           thresholds((None, "green"), (2, "orange"), (3, "red")))),
