@@ -294,13 +294,13 @@ NIC_PORT = ("node", "device", "port")
 
 COLLECTOR_DURATION = _declare(
     "robust_sidecar_collector_duration_seconds", G,
-    "Time a sidecar collector took in the last scrape.", labels=("collector",), source=SIDECAR,
+    "Time a sidecar collector took in the last scrape.", labels=("node", "collector"), source=SIDECAR,
     unit="seconds",
 )
 COLLECTOR_SUCCESS = _declare(
     "robust_sidecar_collector_success", G,
     "1 when the collector succeeded in the last scrape, 0 when it failed.",
-    labels=("collector",), source=SIDECAR,
+    labels=("node", "collector"), source=SIDECAR,
 )
 CORRUPT_FILES = _declare(
     "robust_sidecar_corrupt_files_total", C,

@@ -207,7 +207,7 @@ def scenario(t0: float) -> list[Series]:
         for n in range(RANKS // 4 + 1):
             target = {"job": "robust-metrics-sidecar", "instance": f"node{n}"}
             for name, extra in (("up", {}), ("robust_sidecar_collector_success",
-                                             {"collector": "ranks"})):
+                                             {"node": f"node{n}", "collector": "ranks"})):
                 key = tuple(sorted({"__name__": name, **target, **extra}.items()))
                 series.setdefault(key, []).append((ms, 1.0))
     return [(dict(k), v) for k, v in series.items()]

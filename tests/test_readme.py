@@ -50,10 +50,17 @@ def test_the_one_line_hook_snippet_runs() -> None:
 
 
 def _options(command: str) -> set[str]:
+    """The flags of a command and of its own sub-commands (`job start --config`)."""
     module = importlib.import_module(cli.COMMANDS[command][0])
     parser = argparse.ArgumentParser()
     module.configure(parser)
-    return {s for action in parser._actions for s in action.option_strings}
+    parsers, flags = [parser], set()
+    while parsers:
+        actions = parsers.pop()._actions
+        flags |= {s for action in actions for s in action.option_strings}
+        parsers += [sub for action in actions if isinstance(action, argparse._SubParsersAction)
+                    for sub in action.choices.values()]
+    return flags
 
 
 def documented_flags() -> list[tuple[str, str]]:

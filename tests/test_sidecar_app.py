@@ -79,7 +79,7 @@ def test_metrics_and_healthz(client: TestClient) -> None:
     assert client.get("/healthz").text == "ok\n"
     response = client.get("/metrics")
     assert response.status_code == 200
-    assert 'robust_sidecar_collector_success{collector="ranks"} 1.0' in response.text
+    assert 'robust_sidecar_collector_success{collector="ranks",node="n1"} 1.0' in response.text
     om = client.get("/metrics", headers={"Accept": "application/openmetrics-text"})
     assert om.headers["content-type"].startswith("application/openmetrics-text")
     assert om.text.rstrip().endswith("# EOF")

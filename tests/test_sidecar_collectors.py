@@ -54,7 +54,7 @@ GOLDEN = FIXTURES / "golden_scrape.prom"
 
 def registry_of(**collectors: object) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(ScrapeRegistry(collectors))  # type: ignore[arg-type]
+    registry.register(ScrapeRegistry(collectors, node="n1"))  # type: ignore[arg-type]
     return registry
 
 
@@ -145,7 +145,7 @@ def test_nic_reads_ports_counters_and_physical_netdevs() -> None:
 
 def test_nic_without_infiniband_exports_nothing_and_succeeds(tmp_path: Path) -> None:
     registry = registry_of(nic=NicCollector(str(tmp_path), "n1"))
-    assert sample(registry, "robust_sidecar_collector_success", collector="nic") == 1.0
+    assert sample(registry, "robust_sidecar_collector_success", node="n1", collector="nic") == 1.0
     assert sample(registry, "robust_nic_port_up", node="n1", device="x", port="1") is None
 
 
@@ -209,7 +209,7 @@ def test_unsupported_field_costs_only_its_series() -> None:
     assert sample(registry, "robust_gpu_row_remap_pending", node="n1", gpu="0") is None
     assert sample(registry, "robust_gpu_energy_joules_total", node="n1", gpu="1") == 9000.0
     assert sample(registry, "robust_gpu_temperature_celsius", node="n1", gpu="0") == 61
-    assert sample(registry, "robust_sidecar_collector_success", collector="nvml") == 1.0
+    assert sample(registry, "robust_sidecar_collector_success", node="n1", collector="nvml") == 1.0
 
 
 def test_gpu_falling_off_the_bus_is_reported_and_others_keep_serving() -> None:
@@ -235,7 +235,7 @@ def test_missing_driver_reads_as_nvml_down_and_is_retried(code: int) -> None:
                               clock=lambda: now[0])
     registry = registry_of(nvml=collector)
     assert sample(registry, "robust_nvml_up", node="n1") == 0.0
-    assert sample(registry, "robust_sidecar_collector_success", collector="nvml") == 1.0
+    assert sample(registry, "robust_sidecar_collector_success", node="n1", collector="nvml") == 1.0
     nvml.init_error = None  # driver loaded, but no retry before 60 s
     assert sample(registry, "robust_nvml_up", node="n1") == 0.0
     now[0] += 61
@@ -344,7 +344,7 @@ def test_nccl_collector_exports_nothing_when_nothing_listens() -> None:
     registry = registry_of(nccl=collector)
     names = {s.name for m in registry.collect() for s in m.samples}
     assert not any(n.startswith("robust_nccl") for n in names)
-    assert sample(registry, "robust_sidecar_collector_success", collector="nccl") == 1.0
+    assert sample(registry, "robust_sidecar_collector_success", node="n1", collector="nccl") == 1.0
     collector.close()
 
 
@@ -356,9 +356,11 @@ class Broken:
 
 def test_failing_collector_costs_its_series_not_the_scrape() -> None:
     registry = registry_of(broken=Broken(), nic=NicCollector(str(SYSFS), "n1"))
-    assert sample(registry, "robust_sidecar_collector_success", collector="broken") == 0.0
-    assert sample(registry, "robust_sidecar_collector_success", collector="nic") == 1.0
-    assert sample(registry, "robust_sidecar_collector_duration_seconds", collector="nic") >= 0
+    assert sample(registry, "robust_sidecar_collector_success", node="n1",
+                  collector="broken") == 0.0
+    assert sample(registry, "robust_sidecar_collector_success", node="n1", collector="nic") == 1.0
+    assert sample(registry, "robust_sidecar_collector_duration_seconds", node="n1",
+                  collector="nic") >= 0
     assert sample(registry, "robust_nic_port_up", node="n1", device="mlx5_0", port="1") == 1.0
 
 
@@ -403,19 +405,20 @@ class Hanging:
 def test_hung_collector_is_reported_failed_and_never_piles_up() -> None:
     hanging = Hanging()
     scrape = ScrapeRegistry({"stuck": hanging, "nic": NicCollector(str(SYSFS), "n1")},
-                            timeout=0.3)
+                            timeout=0.3, node="n1")
     registry = CollectorRegistry(auto_describe=False)
     registry.register(scrape)  # type: ignore[arg-type]
     try:
         for _ in range(3):
             started = time.monotonic()
-            assert sample(registry, "robust_sidecar_collector_success", collector="stuck") == 0.0
+            assert sample(registry, "robust_sidecar_collector_success", node="n1",
+                          collector="stuck") == 0.0
             assert time.monotonic() - started < 3
             assert sample(registry, "robust_nic_port_up", node="n1", device="mlx5_0",
                           port="1") == 1.0
         assert hanging.calls == 1, "a hung collector must not be started again"
         hanging.release.set()
-        wait_until(lambda: sample(registry, "robust_sidecar_collector_success",
+        wait_until(lambda: sample(registry, "robust_sidecar_collector_success", node="n1",
                                   collector="stuck") == 1.0, timeout=10, message="recovery")
     finally:
         hanging.release.set()

@@ -141,7 +141,7 @@ def build(config: SidecarConfig):
     collectors: dict[str, Collector] = {
         name: infos[name].factory(config, folder) for name in config.collectors}
 
-    registry = ScrapeRegistry(collectors, timeout=config.collector_timeout)
+    registry = ScrapeRegistry(collectors, timeout=config.collector_timeout, node=config.node)
 
     def close() -> None:
         registry.close()

@@ -116,9 +116,13 @@ class ScrapeRegistry:
     calls never pile up threads and concurrent scrapes share one collection.
     """
 
-    def __init__(self, collectors: dict[str, Collector], timeout: float = 5.0) -> None:
+    def __init__(self, collectors: dict[str, Collector], timeout: float = 5.0,
+                 node: str = "") -> None:
         self.collectors = dict(collectors)
         self.timeout = timeout
+        # The node's name on the collectors' own series: SidecarDown names the node whose
+        # sidecar stopped answering from them.
+        self.node = node
         self._logged: set[str] = set()
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.collectors)),
@@ -142,10 +146,10 @@ class ScrapeRegistry:
             return running
 
     def collect(self) -> Iterator[Metric]:
-        duration = GaugeMetricFamily(
-            schema.COLLECTOR_DURATION.name, schema.COLLECTOR_DURATION.help, labels=["collector"])
-        success = GaugeMetricFamily(
-            schema.COLLECTOR_SUCCESS.name, schema.COLLECTOR_SUCCESS.help, labels=["collector"])
+        duration = GaugeMetricFamily(schema.COLLECTOR_DURATION.name,
+                                     schema.COLLECTOR_DURATION.help, labels=["node", "collector"])
+        success = GaugeMetricFamily(schema.COLLECTOR_SUCCESS.name,
+                                    schema.COLLECTOR_SUCCESS.help, labels=["node", "collector"])
         runs = {name: self._submit(name) for name in self.collectors}
         deadline = time.monotonic() + self.timeout
         families: dict[str, Metric] = {}
@@ -159,8 +163,8 @@ class ScrapeRegistry:
             except Exception as exc:  # a broken collector costs its own series only
                 produced, ok, took = [], False, time.perf_counter() - started
                 self._log_once(name, exc)
-            duration.add_metric([name], took)
-            success.add_metric([name], 1.0 if ok else 0.0)
+            duration.add_metric([self.node, name], took)
+            success.add_metric([self.node, name], 1.0 if ok else 0.0)
             for family in produced:
                 known = families.get(family.name)
                 if known is None:
