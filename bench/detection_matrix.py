@@ -109,21 +109,21 @@ def faults(healthy_seconds: float) -> list[Fault]:
         Fault("kill9", [], "RankExited", 2, frozenset({"TrainingHang", "RankHang(rank 2)"}),
               inject="kill9", formula="≤ 15 s + ≤ 15 s"),
         Fault("late-first-step", ["--first-step-delay-rank", "1", "--first-step-delay", "20"],
-              "RankHang", 1, HANG, formula="30 s + ≤ 15 s + ≤ 15 s + ≤ 15 s", steps_first=0),
+              "RankHang", 1, HANG, formula="30 s + ≤ 15 s + ≤ 15 s", steps_first=0),
         Fault("stop-in-collective", ["--stop-rank", "3", "--stop-step", step], "RankHang", 3,
-              HANG, formula="30 s + 2 scrapes + ≤ 15 s + ≤ 15 s"),
+              HANG, formula="20 s + 2 scrapes + ≤ 15 s"),
         Fault("sigstop-random", [], "RankHang", 2, HANG, inject="sigstop",
-              formula="30 s + 2 scrapes + ≤ 15 s + ≤ 15 s"),
+              formula="20 s + ≤ 15 s + ≤ 15 s (stopped in a collective: 20 s + 2 scrapes + ≤ 15 s)"),
         # Transitions: a fault that ends, and stops that are no crash. After the end (or the
         # stop) nothing may start firing, least of all an alert with an action.
         Fault("stall-ends-1.5x", [], None, 2, HANG | {"RankHang(rank 2)"}, inject="sigstop",
               formula="nothing after it ends", stall_factor=1.5),
         Fault("stall-ends-3x", [], "RankHang", 2, HANG, inject="sigstop",
-              formula="30 s + 2 scrapes + ≤ 15 s + ≤ 15 s; nothing after it ends",
+              formula="20 s + 2 scrapes + ≤ 15 s; nothing after it ends",
               stall_factor=3.0),
         Fault("late-start-trains", ["--first-step-delay-rank", "1", "--first-step-delay", "20"],
               "RankHang", 1, HANG, inject="late", steps_first=0,
-              formula="30 s + ≤ 15 s + ≤ 15 s + ≤ 15 s; nothing after it steps"),
+              formula="30 s + ≤ 15 s + ≤ 15 s; nothing after it steps"),
         Fault("scheduler-cancel", [], None, inject="cancel", formula="nothing"),
         Fault("scheduler-requeue", [], None, inject="requeue", formula="nothing"),
         Fault("bridge-restart", [], None, inject="bridge", formula="nothing"),
@@ -145,7 +145,7 @@ def faults(healthy_seconds: float) -> list[Fault]:
                                      "--shutdown-seconds", "3"],
               None, inject="none", formula="nothing (recorded, not alerted)", timeout=140),
         Fault("data-stall", ["--stall-step", step, "--stall-seconds", "8"], "TrainingHang", None,
-              frozenset({"ThroughputDrop"}), formula="30 s + ≤ 15 s + ≤ 15 s"),
+              frozenset({"ThroughputDrop"}), formula="20 s + ≤ 15 s + ≤ 15 s"),
         Fault("gc-storm", ["--gc-rank", "2", "--slow-step", step, "--compute", "0.1"],
               "SlowRank", 2, SLOW, formula=SLOW_FORMULA),
         Fault("cpu-contention", ["--work", "200", "--compute", "0.005"], "SlowRank", 3, SLOW,
@@ -534,7 +534,8 @@ def summarize(results: list[Trial], chosen: list[Fault]) -> dict[str, Any]:
 
 
 def markdown(summary: dict[str, Any]) -> str:
-    lines = ["| fault | expected alert | trials | detected | right rank | latency at 1 s (s) "
+    interval = summary.get("interval_s", 1.0)
+    lines = [f"| fault | expected alert | trials | detected | right rank | latency at {interval:g} s (s) "
              "| false alerts | formula at 15 s |", "|---|---|---|---|---|---|---|---|"]
     for row in summary["rows"]:
         lat = ", ".join(f"{x:.1f}" for x in row["latency_s"]) or "-"
