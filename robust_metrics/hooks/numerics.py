@@ -49,11 +49,13 @@ class LossAccumulator:
     """Sums the losses of the micro-steps of one optimizer step.
 
     A loss has a source, and the step publishes those of the strongest source it saw: passed
-    explicitly (`handle.loss(...)`) over the one a GradScaler was asked to scale (unscaled, as the
-    user computed it) over the tensor `backward()` ran on (scaled under AMP).
+    explicitly (`handle.loss(...)`) over the one given to a framework's backward (Accelerate's,
+    DeepSpeed's: before they divide it by the accumulation steps) over the one a GradScaler was
+    asked to scale (unscaled, as the user computed it) over the tensor `backward()` ran on (scaled
+    under AMP).
     """
 
-    CAPTURED, SCALED, EXPLICIT = 0, 1, 2
+    CAPTURED, SCALED, GIVEN, EXPLICIT = 0, 1, 2, 3
 
     def __init__(self) -> None:
         self._sums: dict[int, Any] = {}

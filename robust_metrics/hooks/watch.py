@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from robust_metrics import schema
-from robust_metrics.hooks import parallelism
+from robust_metrics.hooks import frameworks, parallelism
 from robust_metrics.hooks.collectives import CollectiveTracker, compiling, group_label
 from robust_metrics.hooks.config import WatchOptions, valid_flops
 from robust_metrics.hooks.numerics import (
@@ -190,16 +190,22 @@ class Watch:
         import torch
 
         o = self.options
-        if self.optimizer is not None:
-            optimizer = unwrap_optimizer(self.optimizer)
-            self._handles.append(optimizer.register_step_pre_hook(self._on_pre_step))
-            self._handles.append(optimizer.register_step_post_hook(self._on_step_end))
+        if self.optimizer is not None:  # DeepSpeed's steps itself: hooks/frameworks.py
+            restore = frameworks.patch_framework_step(self.optimizer, self._on_framework_step)
+            if restore is not None:
+                self._restore.append(restore)
+            else:
+                optimizer = unwrap_optimizer(self.optimizer)
+                self._handles.append(optimizer.register_step_pre_hook(self._on_pre_step))
+                self._handles.append(optimizer.register_step_post_hook(self._on_step_end))
         for module in self.modules:  # before FSDP2's own pre-forward (its all-gather)
             self._handles.append(module.register_forward_pre_hook(self._on_forward, prepend=True))
         self._patch(torch.Tensor, "backward", self._wrap_backward)
         self._install_grad_scaler()
         for module in (torch.nn.utils, torch.nn.utils.clip_grad):
             self._patch(module, "clip_grad_norm_", self._wrap_clip)
+        self._restore.extend(frameworks.patch_clip_with_norm(self._on_clip_norm))
+        self._restore.extend(frameworks.patch_given_loss(self.model, self._capture_given_loss))
         if o.gc_pauses:
             gc.callbacks.append(self._on_gc)
             self._restore.append(lambda: gc.callbacks.remove(self._on_gc))
@@ -293,6 +299,22 @@ class Watch:
             return total
 
         return clip_grad_norm_
+
+    def _on_clip_norm(self, total: Any) -> None:
+        self._grad_norm_from_clip = total
+
+    @_guard("loss")
+    def _capture_given_loss(self, loss: Any) -> None:
+        """The loss handed to a framework's backward, before it divides it by the gradient
+        accumulation steps."""
+        if hasattr(loss, "dim") and loss.dim() == 0 and loss.is_floating_point():
+            self._losses.add(loss, source=LossAccumulator.GIVEN)
+
+    @_guard("step")
+    def _on_framework_step(self, optimizer: Any, norm: Any) -> None:
+        if norm is not None:  # the norm the framework computed over every rank's gradients
+            self._grad_norm_from_clip = norm
+        self._on_step_end(optimizer, (), {})
 
     def _install_grad_scaler(self) -> None:
         """A step the GradScaler skips (its scaled gradients overflowed) is still a step of the

@@ -1,0 +1,49 @@
+"""DeepSpeed with the one-line hook, `watch(engine, optimizer)`, at ZeRO 1, 2 and 3: real 2-rank
+gloo jobs on DeepSpeed's CPU accelerator (`DS_ACCELERATOR=cpu`; its first start on a machine
+compiles a small shared-memory communication op with g++, cached in ~/.cache/torch_extensions),
+with two parameter groups as LLM recipes use and a rank slowed 1.3x
+(tests/integration/framework_jobs.py).
+
+DeepSpeed's optimizer steps its torch optimizer once per parameter group (ZeRO 1 and 2) or ZeRO-3
+sub-group, and holds only the rank's partition of the gradients: the hook counts `engine.step()`
+and publishes the global norm DeepSpeed clipped by.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from tests.integration.framework_jobs import (
+    assert_collectives,
+    assert_loss_and_grad_norm,
+    assert_slow_rank_named,
+    assert_steps_counted_once,
+    run_framework,
+)
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                       reason="deepspeed is not installed (pip install -e '.[deepspeed]')"),
+]
+
+# ZeRO stage -> (gradient accumulation steps, slow rank, ops that carry the gradients)
+CASES = {
+    1: (1, 1, {"all_reduce"}),
+    2: (2, 0, {"all_reduce"}),
+    3: (1, 1, {"all_gather", "reduce_scatter"}),
+}
+
+
+@pytest.mark.parametrize("zero", sorted(CASES), ids=lambda z: f"zero{z}")
+def test_deepspeed_engine(tmp_path: Path, zero: int) -> None:
+    grad_accum, slow, ops = CASES[zero]
+    run = run_framework(tmp_path, "deepspeed", "--zero", str(zero), grad_accum=grad_accum,
+                        slow=slow, env={"DS_ACCELERATOR": "cpu"})
+    assert_steps_counted_once(run)
+    assert_loss_and_grad_norm(run)
+    assert_collectives(run, ops)
+    assert_slow_rank_named(run)
