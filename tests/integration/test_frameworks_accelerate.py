@@ -20,6 +20,7 @@ from tests.integration.framework_jobs import (
     assert_steps_counted_once,
     run_framework,
 )
+from tests.integration.parallel_jobs import run_job, series, value
 
 pytest.importorskip("accelerate", reason="the huggingface extra is not installed")
 pytestmark = pytest.mark.integration
@@ -55,3 +56,14 @@ def test_trainer_callback(tmp_path: Path, fsdp: bool) -> None:
     assert_loss_and_grad_norm(run, loss_mean_over_ranks=True)
     assert_collectives(run, {"all_gather", "reduce_scatter"} if fsdp else {"all_reduce"})
     assert_slow_rank_named(run)
+
+
+def test_the_example_trains_with_the_one_line(tmp_path: Path) -> None:
+    script = Path(__file__).resolve().parents[2] / "examples" / "train_accelerate.py"
+    samples = run_job(tmp_path, 2, steps=4, script=script)
+    for rank in range(2):
+        assert value(samples, rank, "robust_steps_total") == 4
+        assert series(samples, rank, "robust_hook_errors_total") == []
+        ops = {ls["op"] for ls, v in series(samples, rank,
+                                           "robust_collective_duration_seconds_count") if v}
+        assert {"all_reduce"} <= ops, ops

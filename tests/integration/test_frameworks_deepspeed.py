@@ -12,6 +12,8 @@ and publishes the global norm DeepSpeed clipped by.
 from __future__ import annotations
 
 import importlib.util
+import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -23,11 +25,15 @@ from tests.integration.framework_jobs import (
     assert_steps_counted_once,
     run_framework,
 )
+from tests.integration.parallel_jobs import run_job, series, value
 
 pytestmark = [
     pytest.mark.integration,
     pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
                        reason="deepspeed is not installed (pip install -e '.[deepspeed]')"),
+    pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None,
+                       reason="no C++ compiler: DeepSpeed's CPU accelerator compiles its "
+                              "communication op at start"),
 ]
 
 # ZeRO stage -> (gradient accumulation steps, slow rank, ops that carry the gradients)
@@ -47,3 +53,14 @@ def test_deepspeed_engine(tmp_path: Path, zero: int) -> None:
     assert_loss_and_grad_norm(run)
     assert_collectives(run, ops)
     assert_slow_rank_named(run)
+
+
+def test_the_example_trains_with_the_one_line(tmp_path: Path) -> None:
+    script = Path(__file__).resolve().parents[2] / "examples" / "train_deepspeed.py"
+    samples = run_job(tmp_path, 2, "--zero", "3", steps=4, env={"DS_ACCELERATOR": "cpu"}, script=script)
+    for rank in range(2):
+        assert value(samples, rank, "robust_steps_total") == 4
+        assert series(samples, rank, "robust_hook_errors_total") == []
+        ops = {ls["op"] for ls, v in series(samples, rank,
+                                           "robust_collective_duration_seconds_count") if v}
+        assert {"all_gather", "reduce_scatter"} <= ops, ops
