@@ -1,8 +1,10 @@
 """Hugging Face Trainer callback: `Trainer(..., callbacks=[RobustMetricsCallback()])`.
 
 It calls `watch()` when training begins (the Trainer has built its optimizer by then) and closes
-it when training ends. Evaluation runs in the `eval` phase. With Accelerate, the loss is captured
-from `accelerator.backward(loss)`, which calls `loss.backward()`.
+it when training ends. Evaluation runs in the `eval` phase. With Accelerate, the loss is the one
+given to `accelerator.backward(loss)`, before it divides it by the accumulation steps (the Trainer
+divides it itself before: with N accumulation steps the published loss is 1/N of the step's).
+Under DDP the callback watches the wrapper the Trainer built (see `_wrapper_of`).
 """
 
 from __future__ import annotations
