@@ -232,7 +232,9 @@ def run_deepspeed(args: argparse.Namespace) -> None:
         "gradient_accumulation_steps": args.grad_accum,
         "gradient_clipping": 1e9,  # DeepSpeed computes the global norm to clip by
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
-        "zero_optimization": {"stage": args.zero},
+        # ZeRO-3 steps its optimizer per sub-group of this many elements: several here, as in a
+        # large model under the default (1e9)
+        "zero_optimization": {"stage": args.zero, "sub_group_size": 4096},
         "steps_per_print": 1 << 30,
     }
     decay = [p for p in model.parameters() if p.dim() > 1]
