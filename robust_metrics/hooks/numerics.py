@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from robust_metrics import schema
+from robust_metrics.hooks import frameworks
 from robust_metrics.hooks.config import WatchOptions
 from robust_metrics.hooks.guard import ErrorHandler, guard
 from robust_metrics.hooks.patches import Patches
@@ -49,14 +50,19 @@ class Numerics:
         self._nonfinite_loss = store.series(schema.NONFINITE_LOSS)
         self._nonfinite_grad = store.series(schema.NONFINITE_GRAD)
 
-    def install(self, optimizer: Any) -> None:
-        """`optimizer`: the torch optimizer itself (unwrapped from a framework's), or None."""
+    def install(self, optimizer: Any, model: Any) -> None:
+        """`optimizer`: the torch optimizer itself (unwrapped from a framework's), or None (also
+        for a framework that computes the norm itself: hooks/frameworks.py); `model`: what was
+        watched, whose framework's backward may be handed the loss."""
         import torch
 
         patches = self._patches
         if optimizer is not None:
             patches.handle(optimizer.register_step_pre_hook(self.on_pre_step))
         patches.replace(torch.Tensor, "backward", self._wrap_backward(torch.Tensor.backward))
+        for undo in (*frameworks.patch_clip_with_norm(self.set_grad_norm),
+                     *frameworks.patch_given_loss(model, self.capture_given_loss)):
+            patches.add(undo)
         try:
             from torch.amp import GradScaler
         except Exception:
@@ -85,6 +91,17 @@ class Numerics:
     def capture_loss(self, tensor: Any) -> None:
         if tensor.dim() == 0 and tensor.is_floating_point():
             self.losses.add(tensor, source=LossAccumulator.CAPTURED)
+
+    @guard("loss")
+    def capture_given_loss(self, loss: Any) -> None:
+        """The loss handed to a framework's backward, before it divides it by the gradient
+        accumulation steps."""
+        if hasattr(loss, "dim") and loss.dim() == 0 and loss.is_floating_point():
+            self.losses.add(loss, source=LossAccumulator.GIVEN)
+
+    def set_grad_norm(self, total: Any) -> None:
+        """The step's gradient norm as a clip or a framework computed it over every rank."""
+        self.grad_norm = total
 
     def _wrap_clip(self, original: Callable[..., Any]) -> Callable[..., Any]:
         numerics = self
@@ -220,11 +237,13 @@ class LossAccumulator:
     """Sums the losses of the micro-steps of one optimizer step.
 
     A loss has a source, and the step publishes those of the strongest source it saw: passed
-    explicitly (`handle.loss(...)`) over the one a GradScaler was asked to scale (unscaled, as the
-    user computed it) over the tensor `backward()` ran on (scaled under AMP).
+    explicitly (`handle.loss(...)`) over the one given to a framework's backward (Accelerate's,
+    DeepSpeed's: before they divide it by the accumulation steps) over the one a GradScaler was
+    asked to scale (unscaled, as the user computed it) over the tensor `backward()` ran on (scaled
+    under AMP).
     """
 
-    CAPTURED, SCALED, EXPLICIT = 0, 1, 2
+    CAPTURED, SCALED, GIVEN, EXPLICIT = 0, 1, 2, 3
 
     def __init__(self) -> None:
         self._sums: dict[int, Any] = {}

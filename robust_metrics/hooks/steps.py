@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from robust_metrics import schema
+from robust_metrics.hooks import frameworks
 from robust_metrics.hooks.collectives.common import compiling
 from robust_metrics.hooks.config import WatchOptions, valid_flops
 from robust_metrics.hooks.guard import ErrorHandler, guard
@@ -44,16 +45,19 @@ class StepHooks:
 
     What a step end does beyond its own series is given as callables: `end_numerics(step,
     skipped)` (loss and gradient norm), `check_control(now, step)` (checkpoint requests) and
-    `flush()`.
+    `flush()`; `grad_norm(total)` takes the norm a framework that steps itself computed
+    (hooks/frameworks.py).
     """
 
     def __init__(self, store: MetricStore, options: WatchOptions, tracker: CollectiveTracker, *,
                  end_numerics: Callable[[int, bool], None],
                  check_control: Callable[[float, int], None],
-                 flush: Callable[[], None], on_error: ErrorHandler) -> None:
+                 flush: Callable[[], None], grad_norm: Callable[[Any], None],
+                 on_error: ErrorHandler) -> None:
         self.store, self.options, self.tracker, self.on_error = store, options, tracker, on_error
         # what a step end does beyond its own series
         self._end_numerics, self._check_control, self._flush = end_numerics, check_control, flush
+        self._grad_norm = grad_norm
         self.closed = False
         self.global_step = options.start_step
         self.last_step_end: float | None = None
@@ -85,7 +89,12 @@ class StepHooks:
         patches = self._patches
         if optimizer is not None:
             self._optimizer = optimizer
-            patches.handle(unwrap_optimizer(optimizer).register_step_post_hook(self.on_step_end))
+            framework_step = frameworks.patch_framework_step(optimizer, self.on_framework_step)
+            if framework_step is not None:  # DeepSpeed steps itself: hooks/frameworks.py
+                patches.add(framework_step)
+            else:
+                patches.handle(
+                    unwrap_optimizer(optimizer).register_step_post_hook(self.on_step_end))
         for module in modules:  # before FSDP2's own pre-forward (its all-gather)
             patches.handle(module.register_forward_pre_hook(self.on_forward, prepend=True))
         try:
@@ -114,6 +123,12 @@ class StepHooks:
                 self.last_step_end = now
             else:
                 self._data_wait.observe(now - self.last_step_end)
+
+    @guard("step")
+    def on_framework_step(self, optimizer: Any, norm: Any) -> None:
+        if norm is not None:  # the norm the framework computed over every rank's gradients
+            self._grad_norm(norm)
+        self.on_step_end(optimizer, (), {})
 
     @guard("step")
     def on_step_end(self, optimizer: Any, args: Any, kwargs: Any) -> None:

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from robust_metrics import schema
-from robust_metrics.hooks import parallelism
+from robust_metrics.hooks import frameworks, parallelism
 from robust_metrics.hooks.collectives import CollectiveTracker, Interception
 from robust_metrics.hooks.config import WatchOptions
 from robust_metrics.hooks.control import Control
@@ -73,7 +73,7 @@ class Watch:
         self.steps = StepHooks(self.store, options, self.tracker,
                                end_numerics=self.numerics.end_step,
                                check_control=self.control.check, flush=self.flusher.flush,
-                               on_error=self.on_error)
+                               grad_norm=self.numerics.set_grad_norm, on_error=self.on_error)
         self._bind_rank_series()
         sink = self._open_sink()
         self._install()
@@ -132,8 +132,10 @@ class Watch:
     def _install(self) -> None:
         o = self.options
         optimizer = unwrap_optimizer(self.optimizer) if self.optimizer is not None else None
+        if frameworks.steps_itself(self.optimizer):  # the norm comes with its step
+            optimizer = None
         self._patches.add(self.numerics.restore)
-        self.numerics.install(optimizer)
+        self.numerics.install(optimizer, self.model)
         self._patches.add(self.steps.restore)
         self.steps.install(self.optimizer, self.modules)
         if o.collectives:
