@@ -636,7 +636,7 @@ def sample_names() -> dict[str, MetricSpec]:
 
 
 def markdown_table() -> str:
-    """The metric reference table for the README."""
+    """The metric reference table of docs/metrics.md (robust_metrics/references.py)."""
     rows = [
         "| metric | type | labels | source | help |",
         "|---|---|---|---|---|",
