@@ -116,7 +116,7 @@ def main() -> None:
     rows.append(measure("fixture ST, vectorised", trace, meta))
     rows.append(measure("fixture ST, naive per-op", trace, meta, naive=True))
     if not args.skip_large:
-        from robust_metrics.analysis.whatif.synthetic import SyntheticJob, generate
+        from bench.synthetic_trace import SyntheticJob, generate
 
         with tempfile.TemporaryDirectory() as tmp:
             began = time.perf_counter()

@@ -535,14 +535,6 @@ class VictoriaMetrics(Service, QueryAPI):
         with urllib.request.urlopen(f"{self.url}/internal/force_flush", timeout=30):
             pass
 
-    def import_prometheus(self, text: str) -> None:
-        """Ingest Prometheus exposition text (optional millisecond timestamps) and flush."""
-        request = urllib.request.Request(f"{self.url}/api/v1/import/prometheus",
-                                         data=text.encode(), method="POST")
-        with urllib.request.urlopen(request, timeout=60):
-            pass
-        self.force_flush()
-
 
 class VMAlert(Service, QueryAPI):
     """vmalert evaluating Prometheus rule files against `datasource`, writing recorded series and

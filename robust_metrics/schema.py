@@ -1,7 +1,7 @@
 """Every metric robust-metrics publishes, declared once.
 
-The hook, the sidecar, the bridge, the alert rules, the dashboards and the README all refer to this
-module; tests fail when a rule or dashboard names a metric that is not declared here. A metric is
+The hook, the sidecar, the bridge, the alert rules, the dashboards and docs/metrics.md all refer
+to this module; tests fail when a rule or dashboard names a metric that is not declared here. A metric is
 data (`MetricSpec`), not a live prometheus_client object, so this module imports nothing heavy and
 can be read by the sidecar, the bridge and the docs generator alike.
 
@@ -636,7 +636,7 @@ def sample_names() -> dict[str, MetricSpec]:
 
 
 def markdown_table() -> str:
-    """The metric reference table for the README."""
+    """The metric reference table of docs/metrics.md (robust_metrics/references.py)."""
     rows = [
         "| metric | type | labels | source | help |",
         "|---|---|---|---|---|",

@@ -14,11 +14,11 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from bench.synthetic_trace import SyntheticJob, generate
 from robust_metrics.analysis.flight_recorder import analyse_dumps, load_dump
 from robust_metrics.analysis.stacks import analyse
 from robust_metrics.analysis.stacks_cli import format_report
 from robust_metrics.analysis.whatif.cli import parse_steps
-from robust_metrics.analysis.whatif.synthetic import SyntheticJob, generate
 from robust_metrics.cli import main
 from robust_metrics.rankfolder.identity import rank_info
 

@@ -1,4 +1,4 @@
-"""The schema is the one source of metric names; the README table is generated from it."""
+"""The schema is the one source of metric names; docs/metrics.md is generated from it."""
 
 from __future__ import annotations
 

@@ -10,6 +10,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from bench.synthetic_trace import SyntheticJob, generate
 from robust_metrics.analysis.whatif import (
     GraphError,
     JobMeta,
@@ -23,7 +24,6 @@ from robust_metrics.analysis.whatif import (
 from robust_metrics.analysis.whatif.loader import validate
 from robust_metrics.analysis.whatif.naive import simulate_naive
 from robust_metrics.analysis.whatif.simulate import simulate
-from robust_metrics.analysis.whatif.synthetic import SyntheticJob, generate
 
 ST = Path(__file__).parent / "fixtures" / "whatif-ST"
 

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from robust_metrics.analysis.whatif.synthetic import SyntheticJob, generate
+from bench.synthetic_trace import SyntheticJob, generate
 from robust_metrics.cli import main
 
 ST = Path(__file__).parent / "fixtures" / "whatif-ST"

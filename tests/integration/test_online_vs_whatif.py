@@ -2,7 +2,7 @@
 
 A 4-rank gloo job with rank 2 slowed serves /metrics in-process and records sampled op traces;
 Prometheus evaluates the shipped rules (time-scaled to 1 s intervals). Both methods must name
-rank 2; the test reports how far their slowdowns S differ (README, "Benchmarks").
+rank 2; the test reports how far their slowdowns S differ (bench/README.md, "Summary").
 """
 
 from __future__ import annotations

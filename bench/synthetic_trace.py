@@ -1,5 +1,8 @@
-"""Synthetic traces with known causes: to try the what-if analysis without a cluster, and for its
-tests and benchmark (bench/whatif.py).
+"""Synthetic what-if traces with known causes, for the what-if tests and benchmark (bench/whatif.py).
+
+They live in bench/, not in the package: no user runs them (a user's traces come from the hook's
+`trace_dir`), and the benchmark must not import tests/, so the tests import them from here, as the
+Slurm tests import bench/slurm_cluster.py.
 
 A small executor runs a Megatron-style 1F1B schedule (PP x DP, no interleaving) as per-stage
 programs: compute ops run back to back; p2p ops are posted in batches (like Megatron's batched
