@@ -180,17 +180,22 @@ def _checks(value: Any, where: Where) -> str | None:
 
 @dataclass(frozen=True)
 class _Step:
-    """Every action takes `continue_on_error`; the subclasses declare each type's options, and
-    `scheduler` names an entry of `schedulers`."""
+    """Every action takes `continue_on_error`; the subclasses declare each type's options."""
 
     continue_on_error: bool = False
 
 
 @dataclass(frozen=True)
-class CheckpointOptions(_Step):
+class _Scheduled(_Step):
+    """An action that may name its own entry of `schedulers` (else the rule's)."""
+
+    scheduler: str | None = None
+
+
+@dataclass(frozen=True)
+class CheckpointOptions(_Scheduled):
     timeout_s: Duration = 120.0
     at_step: int | None = None
-    scheduler: str | None = None
 
 
 @dataclass(frozen=True)
@@ -199,8 +204,7 @@ class DumpStacksOptions(_Step):
 
 
 @dataclass(frozen=True)
-class SelftestOptions(_Step):
-    scheduler: str | None = None
+class SelftestOptions(_Scheduled):
     quick: bool = True
     checks: str | None = setting(None, parse=_checks)
     drain: bool = True
@@ -209,8 +213,7 @@ class SelftestOptions(_Step):
 
 
 @dataclass(frozen=True)
-class RestartOptions(_Step):
-    scheduler: str | None = None
+class RestartOptions(_Scheduled):
     checkpoint_first: bool = False
     require_checkpoint: bool = False
     checkpoint_timeout_s: Duration = 120.0
@@ -218,8 +221,8 @@ class RestartOptions(_Step):
 
 
 @dataclass(frozen=True)
-class DrainNodeOptions(_Step):
-    scheduler: str | None = None
+class DrainNodeOptions(_Scheduled):
+    pass
 
 
 @dataclass(frozen=True)
@@ -256,15 +259,6 @@ class ActionSpec:
                     where.path, where.base, also=("type",))
         options = {f.name: getattr(step, f.name) for f in dataclasses.fields(step)}
         return cls(kind, options.pop("continue_on_error"), options)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"type": self.type, "continue_on_error": self.continue_on_error,
-                "options": dict(self.options)}
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> ActionSpec:
-        return cls(data["type"], bool(data.get("continue_on_error", False)),
-                   dict(data.get("options") or {}))
 
 
 # ----------------------------------------------------------------------------- rules

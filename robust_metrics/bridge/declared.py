@@ -6,7 +6,9 @@ dataclass, `Mapping[str, X]`, `tuple[X, ...]`, `X | None`), the default gives th
 `setting(...)` adds bounds, the YAML spelling of the key, secrets and the odd hook. `read` walks a
 YAML mapping against the dataclass and refuses what the declaration does not allow, naming the
 exact path (`rules[1].actions[0].for: expected a duration ...`); what involves several fields is
-checked in the dataclass's own `__post_init__`, which raises `Refused` with the path below it.
+checked in the dataclass's own `__post_init__`, which raises `Refused` with the path below it. A
+value whose shape the declaration cannot say (an action, whose options depend on its `type`; a
+scheduler block, whose keys are its adapter's) is read by its class's `from_yaml(raw, where)`.
 
 Conventions that hold for every key read this way:
 - A duration (`Duration`) is Prometheus-style (`250ms`, `30s`, `5m`, `1h`, `1d`) or a plain
@@ -58,8 +60,8 @@ class Refused(ConfigError):
 
 @dataclass(frozen=True)
 class Where:
-    """What a `parse` hook is told: the path of its value and the folder relative paths resolve
-    against (the configuration file's)."""
+    """What a `parse` hook or a `from_yaml` is told: the path of its value and the folder
+    relative paths resolve against (the configuration file's)."""
 
     path: str
     base: Path
