@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 
 from robust_metrics.bridge import policy
 from robust_metrics.bridge.config import ConfigError, load, parse
+from robust_metrics.bridge.declared import Duration, Refused, read, setting
 from robust_metrics.bridge.signing import signed_request, verify
 from tests.support import ROOT
 
@@ -106,3 +108,127 @@ def test_signature_round_trip_and_tamper() -> None:
     assert not verify("secret", headers, body.replace(b'"r"', b'"x"'))
     assert not verify("secret", headers, body, now=int(headers["X-Robust-Timestamp"]) + 3600)
     assert headers["Idempotency-Key"] == "k#0"
+
+
+# ----------------------------------------------------------------------------- the declared reader
+def _rules(*steps: Any, **rule: Any) -> list[dict[str, Any]]:
+    return [{"name": "first", "match": {"a": "b"}, "actions": ["dump_stacks"]},
+            {"name": "second", "match": {"a": "c"}, "actions": list(steps) or ["dump_stacks"],
+             **rule}]
+
+
+@pytest.mark.parametrize(("patch", "message"), [
+    ({"rules": _rules({"type": "checkpoint", "timeout": "soon"})},
+     "rules[1].actions[0].timeout: expected a duration such as 30s, 5m or 1h"),
+    ({"rules": _rules({"type": "checkpoint", "timout": 5})},
+     "rules[1].actions[0]: unknown key(s) timout (allowed: at_step, continue_on_error, scheduler, "
+     "timeout, timeout_s, type)"),
+    ({"rules": _rules({"type": "checkpoint", "at_step": "3"})},
+     "rules[1].actions[0].at_step: expected an integer, got '3'"),
+    ({"rules": _rules({"type": "restart", "notice_timeout_s": -1})},
+     "rules[1].actions[0].notice_timeout_s: must be >= 0, got -1"),
+    ({"rules": _rules(**{"for": 60, "for_s": 60})}, "rules[1]: give `for` or `for_s`, not both"),
+    ({"rules": _rules(cooldown="1m", cooldown_s=60)},
+     "rules[1]: give `cooldown` or `cooldown_s`, not both"),
+    ({"rules": _rules(cooldown="an hour")}, "rules[1].cooldown: expected a duration"),
+    ({"listen": {"port": 70000}}, "listen.port: must be <= 65535, got 70000"),
+    ({"listen": {"port": None}}, "listen.port: expected an integer, got None"),
+    ({"workers": 0}, "workers: must be >= 1, got 0"),
+    ({"incidents": {"poll_s": 0}}, "incidents.poll_s: must be longer than 0"),
+    ({"incidents": {"lookback": "1h", "lookback_s": 3600}},
+     "incidents: give `lookback` or `lookback_s`, not both"),
+    ({"restart_budget": {"window": "-1h"}}, "restart_budget.window: expected a duration"),
+    ({"sidecars": {"ack_source": "both"}},
+     "sidecars.ack_source: choose one of sidecar, prometheus, not 'both'"),
+    ({"sidecars": {"timeout": True}}, "sidecars.timeout: expected a duration"),
+    ({"notify": {"url": "http://h", "timeout": "10 s"}}, "notify.timeout: expected a duration"),
+    ({"run_label": 7}, "run_label: expected a string, got 7 (quote it in YAML)"),
+])
+def test_the_reader_names_the_path_of_what_it_refuses(patch: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse(base(**patch))
+    assert message in str(err.value)
+
+
+def test_every_duration_takes_a_prometheus_duration_or_seconds_under_either_spelling() -> None:
+    """One unit convention: `5m`, `300s` and `300` are the same, and `KEY_s` is `KEY`'s alias."""
+    for value in ("5m", "300s", 300, 300.0, "300000ms"):
+        for suffix in ("", "_s"):
+            config = parse(base(
+                sidecars={f"timeout{suffix}": value, f"ack_poll{suffix}": value},
+                notify={"url": "http://h", f"timeout{suffix}": value},
+                restart_budget={f"window{suffix}": value},
+                incidents={f"{k}{suffix}": value for k in ("lookback", "recover_timeout",
+                                                             "node_window", "poll")},
+                rules=[{"match": {"a": "b"}, f"for{suffix}": value, f"cooldown{suffix}": value,
+                        "actions": [{"type": "checkpoint", f"timeout{suffix}": value},
+                                    {"type": "selftest", f"timeout{suffix}": value},
+                                    {"type": "restart", f"checkpoint_timeout{suffix}": value,
+                                     f"notice_timeout{suffix}": value}]}]))
+            rule, side, inc = config.rules[0], config.sidecars, config.incidents
+            options = [a.options for a in rule.actions]
+            seconds = {rule.for_s, rule.cooldown_s, side.timeout_s, side.ack_poll_s,
+                       config.notify and config.notify.timeout_s, config.restart_window_s,
+                       inc.lookback_s, inc.recover_timeout_s, inc.node_window_s, inc.poll_s,
+                       options[0]["timeout_s"], options[1]["timeout_s"],
+                       options[2]["checkpoint_timeout_s"], options[2]["notice_timeout_s"]}
+            assert seconds == {300.0}, (value, suffix)
+    assert parse(base(rules=_rules(**{"for": "1d"}))).rules[1].for_s == 86400.0
+
+
+def test_null_means_not_given_except_for_values_that_must_be_given() -> None:
+    config = parse(base(listen={"host": None}, notify=None, sidecars=None,
+                        rules=_rules(name=None)))
+    assert (config.host, config.notify, config.sidecars.configured, config.rules[1].name) == (
+        "127.0.0.1", None, False, "rules[1]")
+    for patch in ({"dry_run": None}, {"rules": _rules(**{"for": None})},
+                  {"sidecars": {"ack_source": None}}):
+        with pytest.raises(ConfigError):
+            parse(base(**patch))
+
+
+@dataclass(frozen=True)
+class Inner:
+    size: int = setting(2, minimum=1, maximum=8)
+    wait_s: Duration = 1.0
+
+
+@dataclass(frozen=True)
+class Outer:
+    """A declaration of the reader's own, apart from the policy's."""
+
+    mode: Literal["fast", "safe"] = "safe"
+    port: int = setting(80, key="listen.port")
+    token: str | None = setting(None, secret=True)
+    inner: Inner = setting(factory=Inner)  # noqa: RUF009
+    items: tuple[Inner, ...] = ()
+    given: frozenset[str] = setting(given=True)
+
+    def __post_init__(self) -> None:
+        if self.mode == "fast" and self.inner.size > 4:
+            raise Refused("inner.size", "at most 4 in fast mode")
+
+
+def test_the_generic_reader_on_its_own_declarations(tmp_path: Path) -> None:
+    """Sections, secrets, choices, bounds, cross-field checks with their path, and `given`."""
+    (tmp_path / "tok").write_text("s3cret\n")
+    outer = read(Outer, {"listen": {"port": 8080}, "token_file": "tok",
+                         "items": [{"wait": "2m"}, {"size": 3, "wait_s": 5}]}, "top", tmp_path)
+    assert (outer.port, outer.token, outer.inner, outer.mode) == (8080, "s3cret", Inner(), "safe")
+    assert [(i.size, i.wait_s) for i in outer.items] == [(2, 120.0), (3, 5.0)]
+    assert outer.given == {"port", "token", "items"}
+    for raw, message in [
+        ({"listen": {"prot": 1}}, "top.listen: unknown key(s) prot (allowed: port)"),
+        ({"lsten": {}}, "top: unknown key(s) lsten (allowed: inner, items, listen, mode, token, "
+                        "token_env, token_file)"),
+        ({"items": [{}, {"size": 9}]}, "top.items[1].size: must be <= 8, got 9"),
+        ({"items": {"size": 1}}, "top.items: expected a list, got {'size': 1}"),
+        ({"inner": {"wait": "1m", "wait_s": 60}}, "top.inner: give `wait` or `wait_s`, not both"),
+        ({"mode": "fast", "inner": {"size": 5}}, "top.inner.size: at most 4 in fast mode"),
+        ({"mode": "quick"}, "top.mode: choose one of fast, safe, not 'quick'"),
+        ({"token": "a", "token_env": "B"}, "top: give only one of token, token_env"),
+        ([1], "top: expected a mapping, got list"),
+    ]:
+        with pytest.raises(ConfigError) as err:
+            read(Outer, raw, "top", tmp_path)
+        assert str(err.value) == message
