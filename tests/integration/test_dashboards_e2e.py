@@ -32,7 +32,6 @@ from tests.bridge_fakes import BridgeProcess, alert, webhook, write_config
 from tests.prometheus_fixture import PrometheusServer, wait_for_series
 from tests.support import ROOT, RankJob, SidecarProcess, free_port, require_binary
 
-pytestmark = pytest.mark.integration
 pytest.importorskip("grafana_foundation_sdk")
 
 RUN = "dash-e2e"
