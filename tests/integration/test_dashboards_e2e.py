@@ -47,7 +47,7 @@ FAULTS = {Needs.NONFINITE, Needs.ALERT, Needs.GPU_FAULT}
 NOT_PROVEN_HERE = {Needs.HANG: "the bridge must have aggregated the stacks of a hung run",
                    Needs.HOOK_ERROR: "the hook must have caught an exception in training",
                    Needs.INCIDENT: "the bridge's ledger must have entered a finished incident "
-                                   "(tests/test_suspect_node_e2e.py scrapes its node score)",
+                                   "(tests/integration/test_suspect_node_e2e.py scrapes its node score)",
                    Needs.SELFTEST: "a sidecar must have run a node self-test "
                                    "(tests/test_sidecar_selftest.py reads its series)"}
 
