@@ -21,9 +21,9 @@ HERE = Path(__file__).resolve().parent
 @pytest.hookimpl(tryfirst=True)  # before `-m` selects by marker
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Marks every test that lives under tests/integration/ (the hook sees the whole session's
-    items, so it checks each item's path)."""
+    items, so it checks each item's path, resolved as this folder's is)."""
     for item in items:
-        if item.path.is_relative_to(HERE):
+        if item.path.resolve().is_relative_to(HERE):
             item.add_marker(pytest.mark.integration)
 
 
