@@ -21,8 +21,9 @@ system-deps:
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
-# Two passes: the tests that start no real-time processes on TEST_WORKERS workers (they use
-# the cores), then the integration tests (real Prometheus, ranks, timing) on
+# Two passes, the folder decides which: the tests outside tests/integration/, which start no
+# real-time processes, on TEST_WORKERS workers (they use the cores), then tests/integration/
+# (real Prometheus, ranks, timing; its conftest.py marks them `integration`) on
 # INTEGRATION_WORKERS workers, whose waits on real time overlap: on 2 cores 3 keep both busy,
 # 4 take as long (INTEGRATION_WORKERS=0 runs them one at a time). Workers take the longest
 # modules first (tests/module_order.py, tests/module_seconds.json).

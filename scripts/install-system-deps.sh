@@ -17,7 +17,7 @@ command -v slurmctld >/dev/null 2>&1 && command -v slurmd >/dev/null 2>&1 || nee
 command -v slurmrestd >/dev/null 2>&1 || need+=(slurmrestd)
 ls /usr/lib/*/slurm-wlm/auth_jwt.so >/dev/null 2>&1 || need+=(slurm-wlm-jwt-plugin)
 command -v munged >/dev/null 2>&1 || need+=(munge)
-# openssl makes the self-signed certificate of the sidecar TLS test (tests/test_sidecar_app.py).
+# openssl makes the self-signed certificate of the sidecar TLS test (tests/integration/test_sidecar_app.py).
 command -v openssl >/dev/null 2>&1 || need+=(openssl)
 for pkg in ${EXTRA_DEBIAN_PACKAGES:-}; do need+=("$pkg"); done
 if [ ${#need[@]} -eq 0 ]; then

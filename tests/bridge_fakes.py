@@ -275,3 +275,22 @@ def serve_app(app: Any, port: int | None = None) -> Iterator[httpx.Client]:
         client.close()
         server.should_exit = True
         thread.join(20)
+
+
+def run_incident(store: Any, config: Any, alert: Any, now: float) -> float:
+    """Accept `alert` into the action log, decide it under `config`'s policy and record every
+    step of the plan as succeeded, the incident done: an incident the bridge acted on, as the
+    ledger and the NaN guard read it. Returns when its steps succeeded (`now` + 3)."""
+    from robust_metrics.bridge.policy import AlertFacts, decide
+
+    store.accept([alert], now=now)
+    claimed = store.claim(lambda i, h, at: decide(config, AlertFacts(i.labels, i.starts_at), h,
+                                                  at), 3600, now=now + 1)
+    assert claimed is not None
+    incident, decision = claimed
+    for idx, step in enumerate(decision.plan):
+        store.start_step(incident.id, idx, step["type"], now=now + 2)
+        store.finish_step(incident.id, idx, "success", "ok", {}, now=now + 3)
+    store.finish_incident(incident.id, "done", now=now + 4)
+    return now + 3
+

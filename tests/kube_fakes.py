@@ -23,12 +23,14 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+import yaml
 from kubernetes import client as k8s
 
-from robust_metrics.bridge.schedulers.kubernetes import KINDS
+from robust_metrics.bridge.schedulers.kubernetes import KINDS, KubernetesScheduler
 from tests.support import free_port
 
-__all__ = ["MERGE", "NS", "STRATEGIC", "TOKEN", "FakeKubeAPI", "go_quote", "kubelet_write"]
+__all__ = ["MERGE", "NS", "STRATEGIC", "TOKEN", "FakeKubeAPI", "adapter", "go_quote", "kubeconfig",
+           "kubelet_write"]
 
 TOKEN = "test-token-" + uuid.uuid4().hex[:8]
 NS = "training"
@@ -288,3 +290,21 @@ def _merge(target: dict[str, Any], patch: dict[str, Any]) -> None:
             _merge(target[key], value)
         else:
             target[key] = value
+
+
+def kubeconfig(tmp_path: Path, url: str, token: str = TOKEN, namespace: str = NS) -> Path:
+    """A kubeconfig whose current context reaches `url` with `token` in `namespace`."""
+    path = tmp_path / "kubeconfig"
+    path.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "test",
+        "clusters": [{"name": "fake", "cluster": {"server": url}}],
+        "users": [{"name": "bridge", "user": {"token": token}}],
+        "contexts": [{"name": "test", "context": {"cluster": "fake", "user": "bridge",
+                                                   "namespace": namespace}}]}))
+    return path
+
+
+def adapter(tmp_path: Path, api: FakeKubeAPI, **config: Any) -> KubernetesScheduler:
+    """The `kubernetes` adapter, through a kubeconfig, against `api`; short timeouts."""
+    return KubernetesScheduler({"auth": "kubeconfig", "kubeconfig": str(
+        kubeconfig(tmp_path, api.url)), "timeout_s": 5, "suspend_timeout_s": 5, **config})

@@ -1,4 +1,5 @@
-"""Shared helpers for tests: polling, skipping without a binary, and the process harness.
+"""Shared helpers for tests: polling, skipping without a binary, the process harness, and a
+valid sidecar configuration.
 
 Processes (Prometheus, Alertmanager, the sidecar, the bridge, ranks) are started through
 `robust_metrics.processes`, the harness the demo and the benchmarks use too; names are re-exported
@@ -26,6 +27,7 @@ from robust_metrics.processes import (
     stop_process_group,
     wait_for,
 )
+from robust_metrics.sidecar.config import SidecarConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 T = TypeVar("T")
@@ -67,3 +69,12 @@ def SidecarProcess(directory: Path | str, args: Sequence[str] = (), *,
     """A real `robust-metrics sidecar` on a free loopback port, launched now; `with` waits until
     it is ready and stops it (then kills its group) at the end."""
     return sidecar(directory, args, log_path=log_path, env=env, launcher=launcher).launch()
+
+
+def sidecar_config(tmp_path: Path, **kwargs: object) -> SidecarConfig:
+    """A validated sidecar configuration of node `n1` reading `tmp_path/metrics` (no GPU or NCCL
+    collector, so it builds on any machine), sysfs read from `tmp_path`."""
+    config = SidecarConfig(directory=str(tmp_path / "metrics"), node="n1",
+                           collectors=["ranks", "process", "nic"], sysfs=str(tmp_path), **kwargs)
+    config.validate()
+    return config

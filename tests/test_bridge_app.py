@@ -1,7 +1,8 @@
 """The bridge in-process: auth, limits, validation, exactly-once, cooldown, budget, actions.
 
 Real HTTP stack (Starlette through its httpx.Client), real SQLite, real local processes and real
-HTTP fakes for the sidecar and webhook receivers; Alertmanager is in test_bridge_alertmanager.py.
+HTTP fakes for the sidecar and webhook receivers; Alertmanager is in
+integration/test_bridge_alertmanager.py.
 """
 
 from __future__ import annotations

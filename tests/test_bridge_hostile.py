@@ -3,65 +3,27 @@
 A training job sets its own labels (`ROBUST_METRICS_NODE` becomes the `node` label of
 `robust_rank_info` and of the alerts built on it), so everything here is what a user of a shared
 cluster can send without credentials of the bridge. Real HTTP servers stand in for the attacker.
+Discovery from a real Prometheus scrape job: tests/integration/test_bridge_hostile.py.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import yaml
 
-from robust_metrics.bridge.app import create_app
 from robust_metrics.bridge.config import SidecarEndpoints, parse
-from robust_metrics.bridge.service import Bridge
 from robust_metrics.sidecar import config as sidecar_config
-from tests.bridge_fakes import FakeSidecar, Recorder, StubServer, alert, send_reply, serve_app, webhook
-from tests.support import ROOT, wait_until
+from tests.bridge_fakes import FakeSidecar, Recorder, StubServer, alert, send_reply, webhook
+from tests.served_bridge import AUTH, TOKEN, post, settled, start_bridge
+from tests.support import ROOT
 
-TOKEN = "hostile-tests-token"
-AUTH = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
-FINAL = {"done", "failed", "skipped", "cancelled"}
-
-
-@pytest.fixture
-def start_bridge(tmp_path: Path) -> Iterator[Any]:
-    """Factory: `start(raw_policy)` -> httpx.Client of a served bridge with its engine running."""
-    servers: list[Any] = []
-
-    def start(raw: dict[str, Any]) -> httpx.Client:
-        raw = {"database": str(tmp_path / "bridge.db"), "auth": {"bearer_token": TOKEN},
-               "workers": 2, **raw}
-        server = serve_app(create_app(Bridge(parse(raw, tmp_path))))
-        client = server.__enter__()
-        servers.append(server)
-        return client
-
-    try:
-        yield start
-    finally:
-        for s in servers:
-            s.__exit__(None, None, None)
-
-
-def post(client: httpx.Client, payload: Any) -> httpx.Response:
-    return client.post("/api/v1/alerts", content=json.dumps(payload), headers=AUTH)
-
-
-def settled(client: httpx.Client, n: int) -> list[dict[str, Any]]:
-    def rows() -> list[dict[str, Any]] | None:
-        r = client.get("/api/v1/actions", headers=AUTH)
-        assert r.status_code == 200, r.text
-        got = r.json()["actions"]
-        return got if len(got) >= n and all(i["status"] in FINAL for i in got) else None
-
-    return list(wait_until(rows, 30, message=f"{n} settled incidents"))
+__all__ = ["start_bridge"]  # the fixture, imported for pytest
 
 
 # ----------------------------------------------------------------------------- labels never address
@@ -384,39 +346,3 @@ def test_local_scheduler_keeps_similar_run_names_apart(tmp_path: Path) -> None:
     # A run named like the cut form of a long name is still another file.
     long = "y" * 300
     assert local._state_path(local._state_path(long).stem) != local._state_path(long)
-
-
-@pytest.mark.integration
-def test_discovered_sidecars_are_the_scrape_targets_of_their_job(start_bridge: Any,
-                                                                  tmp_path: Path) -> None:
-    """With `sidecars.discovery_job`, a node's sidecar is the target Prometheus scrapes in that
-    job under that `node` label; a server Prometheus scrapes in another job is never a sidecar."""
-    from tests.prometheus_fixture import PrometheusServer
-
-    with Recorder() as evil, FakeSidecar(node="n1", run="r1", ranks=[0]) as side:
-        evil_address = evil.url.removeprefix("http://")
-        jobs = [{"job_name": "sidecars", "static_configs": [
-                    {"targets": [side.url.removeprefix("http://")], "labels": {"node": "n1"}}]},
-                {"job_name": "labelled", "static_configs": [
-                    {"targets": [evil_address], "labels": {"node": "n2"}}]}]
-        with PrometheusServer(tmp_path / "prom", [evil_address], job="other",
-                              extra_scrape_configs=jobs) as prom:
-            wait_until(lambda: len(prom.api("targets", state="active")["activeTargets"]) == 3,
-                       30, message="three scrape targets")
-            wait_until(lambda: evil.requests, 30, message="a scrape of the labelled server")
-            client = start_bridge({
-                "prometheus": {"url": prom.url},
-                "sidecars": {"discovery_job": "sidecars", "token": "side-token"},
-                "rules": [{"match": {"alertname": "Stacks"}, "actions": ["dump_stacks"]}]})
-            sent = [alert("Stacks", fingerprint="n1", run="r1", node="n1"),
-                    alert("Stacks", fingerprint="n2", run="r1", node="n2"),
-                    alert("Stacks", fingerprint="bad", run="r1", node=evil_address)]
-            assert post(client, webhook(*sent)).status_code == 200
-            rows = {r["fingerprint"]: r for r in settled(client, 3)}
-        assert rows["n1"]["status"] == "done" and side.stack_requests == 1, rows["n1"]["steps"]
-        for name in ("n2", "bad"):
-            assert rows[name]["status"] == "failed", rows[name]
-            assert "not a configured sidecar host" in rows[name]["steps"][0]["detail"]
-        # Prometheus scrapes it (that is what makes it a target); the bridge never calls it.
-        assert evil.requests and all(r["path"] == "/metrics" and "Authorization" not in
-                                     r["headers"] for r in evil.requests), evil.requests

@@ -2,7 +2,8 @@
 same step again is `persistent` (the restarts stop, people are told the step and rank); a run
 that passes the step cleanly makes it `transient` (the first reporting rank's node is named and
 gets a compute self-test). The verdict is a pure function; the ledger is driven through a real
-action log with Prometheus answers given at the query boundary."""
+action log with Prometheus answers given at the query boundary. The bridge telling people or
+testing a node through a real sidecar: tests/integration/test_bridge_nan_verdict.py."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from robust_metrics.bridge.metrics import BridgeMetrics
 from robust_metrics.bridge.numerics import NanEvidence, first_report, nan_verdict
 from robust_metrics.bridge.policy import AlertFacts, History, decide
 from robust_metrics.bridge.store import ActionStore, NewAlert
+from tests.bridge_fakes import run_incident
 
 T0 = 1767225600.0
 START = "2026-01-01T00:00:00Z"
@@ -108,17 +110,8 @@ class FakePrometheus:
 
 def _restarted_incident(store: ActionStore, config: Any) -> float:
     """A NonFiniteLoss incident whose restart succeeded; returns when it acted."""
-    store.accept([NewAlert("f1", START, "r1", "NonFiniteLoss", LABELS, {}, "nan", [], T0)],
-                 now=T0)
-    claimed = store.claim(lambda i, h, now: decide(config, AlertFacts(i.labels, i.starts_at), h,
-                                                   now), 3600, now=T0 + 1)
-    assert claimed is not None
-    incident, decision = claimed
-    for idx, step in enumerate(decision.plan):
-        store.start_step(incident.id, idx, step["type"], now=T0 + 2)
-        store.finish_step(incident.id, idx, "success", "ok", {}, now=T0 + 3)
-    store.finish_incident(incident.id, "done", now=T0 + 4)
-    return T0 + 3
+    return run_incident(
+        store, config, NewAlert("f1", START, "r1", "NonFiniteLoss", LABELS, {}, "nan", [], T0), T0)
 
 
 def _ledger(tmp_path: Path) -> tuple[Ledger, FakePrometheus, list[Entry]]:
@@ -187,47 +180,6 @@ def test_a_run_that_never_gets_back_to_the_step_is_undecided(tmp_path: Path) -> 
     ledger, _, called = _ledger(tmp_path)
     (entry,) = ledger.step(now=T0 + 3 + 3601)
     assert entry.numerics["verdict"] == "undecided" and called == []
-
-
-# ---------------------------------------------------------------- what the bridge does with it
-def _entry(verdict: str) -> Entry:
-    return Entry(7, "r1", "NonFiniteLoss", ["0"], [], None, T0, T0 + 3, T0 + 9, 121, 100, 21,
-                 "recovered", numerics={"verdict": verdict, "step": 120.0, "rank": "1",
-                                        "node": "n2", "recurred_step": None})
-
-
-def test_the_bridge_notifies_a_persistent_value_and_tests_a_transient_ones_node(
-        tmp_path: Path) -> None:
-    from robust_metrics.bridge.service import Bridge
-    from tests.bridge_fakes import Receiver
-    from tests.support import SidecarProcess
-
-    (tmp_path / "token").write_text("side-token")
-    with SidecarProcess(tmp_path / "n2", ["--node", "n2", "--token-file", str(tmp_path / "token"),
-                                          "--no-collector.nvml", "--no-collector.nic",
-                                          "--no-collector.nccl", "--selftest-arg=--size=64"],
-                        log_path=tmp_path / "n2.log") as side, Receiver() as receiver:
-        bridge = Bridge(parse({
-            "database": str(tmp_path / "bridge.db"), "auth": {"bearer_token": "t"},
-            "sidecars": {"urls": {"n2": side.url}, "token": "side-token"},
-            "notify": {"url": receiver.url + "/notify", "secret": "hook-secret"},
-            "schedulers": {"ops": {"type": "webhook", "url": "http://127.0.0.1:1"}},
-            "rules": [{"match": {"action": "restart"}, "actions": ["restart"]}]}))
-        try:
-            assert bridge.ledger.on_nan_verdict is not None
-            told = bridge.ledger.on_nan_verdict(_entry("persistent"))
-            assert "notified" in told and "HTTP 200" in told["notified"]
-            (body,) = receiver.bodies("/notify")
-            assert (body["step"], body["rank"], body["verdict"]) == (120.0, "1", "persistent")
-            assert "stops restarting" in body["message"]
-            tested = bridge.ledger.on_nan_verdict(_entry("transient"))
-            assert tested["selftest"]["n2"]["verdict"] == "pass"
-            assert tested["selftest"]["n2"]["digest"]  # the compute check ran
-            assert len(receiver.bodies()) == 1  # no notification for a transient value
-            assert bridge.engine.nan_finding is not None
-            assert bridge.engine.nan_finding("r1") is None
-        finally:
-            bridge.close()
 
 
 # ---------------------------------------------------------------- before the verdict

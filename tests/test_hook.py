@@ -22,42 +22,8 @@ import robust_metrics
 from robust_metrics.hooks import sinks
 from robust_metrics.hooks.watch import Watch
 from robust_metrics.rankfolder.control import write_checkpoint_request
+from tests.hook_models import make_model, train, value
 from tests.support import free_port, require_binary
-
-
-def value(handle: Watch, name: str, **labels: str) -> float:
-    for sample in handle.store.samples():
-        series = sample.series
-        got = dict(zip(series.spec.labels, series.labels, strict=True))
-        if sample.name == name and all(got.get(k) == v for k, v in labels.items()):
-            return sample.value
-    raise KeyError(name)
-
-
-def make_model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
-    return model, torch.optim.SGD(model.parameters(), lr=0.01)
-
-
-def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: int, *,
-          accumulate: int = 1, clip: float | None = None, nan_step: int = -1) -> list[float]:
-    """A plain loop; returns the mean loss of each optimizer step as the user computes it."""
-    means = []
-    for step in range(steps):
-        total = 0.0
-        for _ in range(accumulate):
-            loss = model(torch.randn(4, 8)).pow(2).mean()
-            if step == nan_step:
-                loss = loss * float("nan")
-            total += float(loss.detach())
-            loss.backward()
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        optimizer.step()
-        optimizer.zero_grad()
-        means.append(total / accumulate)
-    return means
 
 
 @pytest.fixture

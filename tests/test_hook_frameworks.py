@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import robust_metrics
-from tests.test_hook import value
+from tests.hook_models import value
 
 
 class DeepSpeedOptimizer:

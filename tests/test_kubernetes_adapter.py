@@ -31,7 +31,7 @@ from robust_metrics.bridge.schedulers.kubernetes import (
     KubernetesScheduler,
 )
 from robust_metrics.rankfolder.control import CHECKPOINT_ANNOTATION, CHECKPOINT_KEY_ANNOTATION
-from tests.kube_fakes import MERGE, NS, STRATEGIC, TOKEN, FakeKubeAPI
+from tests.kube_fakes import MERGE, NS, STRATEGIC, TOKEN, FakeKubeAPI, adapter, kubeconfig
 from tests.support import ROOT, free_port, require_binary
 
 RBAC = ROOT / "deploy" / "kubernetes" / "rbac.yaml"
@@ -46,22 +46,6 @@ def api() -> Iterator[FakeKubeAPI]:
     finally:
         server.close()
     assert not server.violations, server.violations
-
-
-def kubeconfig(tmp_path: Path, url: str, token: str = TOKEN, namespace: str = NS) -> Path:
-    path = tmp_path / "kubeconfig"
-    path.write_text(yaml.safe_dump({
-        "apiVersion": "v1", "kind": "Config", "current-context": "test",
-        "clusters": [{"name": "fake", "cluster": {"server": url}}],
-        "users": [{"name": "bridge", "user": {"token": token}}],
-        "contexts": [{"name": "test", "context": {"cluster": "fake", "user": "bridge",
-                                                   "namespace": namespace}}]}))
-    return path
-
-
-def adapter(tmp_path: Path, api: FakeKubeAPI, **config: Any) -> KubernetesScheduler:
-    return KubernetesScheduler({"auth": "kubeconfig", "kubeconfig": str(
-        kubeconfig(tmp_path, api.url)), "timeout_s": 5, "suspend_timeout_s": 5, **config})
 
 
 # ---------------------------------------------------------------------- operations

@@ -15,8 +15,8 @@ import pytest
 from robust_metrics.bridge.config import parse
 from robust_metrics.bridge.ledger import Ledger, slowdown_start
 from robust_metrics.bridge.metrics import BridgeMetrics
-from robust_metrics.bridge.policy import AlertFacts, decide
 from robust_metrics.bridge.store import ActionStore, NewAlert
+from tests.bridge_fakes import run_incident
 
 T0 = 1767225600.0  # the alert reaches the bridge
 FIRED = "2026-01-01T00:00:00Z"  # = T0: startsAt is when the alert fired
@@ -101,15 +101,8 @@ def _ledger(tmp_path: Path, rank: str, alertname: str = "SlowRank") -> tuple[Led
                                "actions": [{"type": "notify", "message": "slow"}]}]})
     store = ActionStore(str(tmp_path / "log.db"))
     labels = {"alertname": alertname, "run": "r1", "rank": rank}
-    store.accept([NewAlert("f1", FIRED, "r1", alertname, labels, {}, "slow", [], T0)], now=T0)
-    claimed = store.claim(lambda i, h, now: decide(config, AlertFacts(i.labels, i.starts_at), h,
-                                                   now), 3600, now=T0 + 1)
-    assert claimed is not None
-    incident, decision = claimed
-    for idx, step in enumerate(decision.plan):
-        store.start_step(incident.id, idx, step["type"], now=T0 + 2)
-        store.finish_step(incident.id, idx, "success", "ok", {}, now=T0 + 3)
-    store.finish_incident(incident.id, "done", now=T0 + 4)
+    run_incident(store, config, NewAlert("f1", FIRED, "r1", alertname, labels, {}, "slow", [], T0),
+                 T0)
     prom = FakePrometheus()
     return Ledger(config, store, BridgeMetrics(), prom), prom
 

@@ -1,34 +1,26 @@
-"""The sidecar's HTTP face and command line: auth, bad input, config faults, TLS, no torch."""
+"""The sidecar's HTTP face and command line: auth, bad input, config faults, no torch. A real
+sidecar process serving TLS and stopping on SIGTERM: tests/integration/test_sidecar_app.py."""
 
 from __future__ import annotations
 
 import os
 import socket
-import ssl
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import bcrypt
-import httpx
 import pytest
 from starlette.testclient import TestClient
 
 from robust_metrics.rankfolder import control
 from robust_metrics.sidecar.auth import load_web_config
 from robust_metrics.sidecar.cli import EXIT_BIND, EXIT_CONFIG, build
-from robust_metrics.sidecar.config import ConfigError, SidecarConfig, parse_listen
-from tests.support import ROOT, SidecarProcess, require_binary, wait_until
+from robust_metrics.sidecar.config import ConfigError, parse_listen
+from tests.support import ROOT, sidecar_config
 
 TOKEN = "s3cret-token"
-
-
-def make_config(tmp_path: Path, **kwargs: object) -> SidecarConfig:
-    config = SidecarConfig(directory=str(tmp_path / "metrics"), node="n1",
-                           collectors=["ranks", "process", "nic"], sysfs=str(tmp_path), **kwargs)
-    config.validate()
-    return config
 
 
 @pytest.fixture
@@ -40,7 +32,7 @@ def token_file(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def client(tmp_path: Path, token_file: Path) -> Iterator[TestClient]:
-    app, _, _ = build(make_config(tmp_path, token_file=str(token_file)))
+    app, _, _ = build(sidecar_config(tmp_path, token_file=str(token_file)))
     with TestClient(app) as c:
         yield c
 
@@ -68,7 +60,7 @@ def test_importing_and_building_the_sidecar_never_imports_torch_or_the_hook(
 
 
 def test_missing_folder_is_created(tmp_path: Path) -> None:
-    config = make_config(tmp_path)
+    config = sidecar_config(tmp_path)
     assert not os.path.exists(config.directory)
     _, folder, _ = build(config)
     assert os.path.isdir(os.path.join(config.directory, "ranks"))
@@ -96,7 +88,7 @@ def test_debug_and_control_need_the_bearer_token(client: TestClient) -> None:
 
 
 def test_without_token_file_debug_and_control_are_disabled(tmp_path: Path) -> None:
-    app, _, _ = build(make_config(tmp_path))
+    app, _, _ = build(sidecar_config(tmp_path))
     with TestClient(app) as c:
         response = c.post("/control/checkpoint", headers=bearer())
         assert response.status_code == 403
@@ -152,7 +144,7 @@ def test_basic_auth_guards_metrics_but_not_healthz(tmp_path: Path) -> None:
     hashed = bcrypt.hashpw(b"pw", bcrypt.gensalt(4)).decode()
     web = tmp_path / "web.yml"
     web.write_text(f"basic_auth_users:\n  prom: '{hashed}'\n")
-    app, _, _ = build(make_config(tmp_path, web_config=str(web)))
+    app, _, _ = build(sidecar_config(tmp_path, web_config=str(web)))
     with TestClient(app) as c:
         assert c.get("/healthz").status_code == 200
         denied = c.get("/metrics")
@@ -223,49 +215,3 @@ def test_cli_port_taken_exits_3(tmp_path: Path) -> None:
                          "--no-collector.nvml", "--no-collector.nccl")
     assert result.returncode == EXIT_BIND, result.stderr
     assert "already in use" in result.stderr
-
-
-def test_tls_from_web_config(tmp_path: Path) -> None:
-    openssl = require_binary("openssl")
-    cert, key = tmp_path / "tls.crt", tmp_path / "tls.key"
-    subprocess.run([openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-                    "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1",
-                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True,
-                   timeout=60)
-    web = tmp_path / "web.yml"
-    web.write_text(f"tls_server_config:\n  cert_file: {cert}\n  key_file: {key}\n"
-                   "  min_version: TLS12\n")
-    args = ["--web-config", str(web), "--no-collector.nvml", "--no-collector.nccl"]
-    sidecar = SidecarProcess(tmp_path / "m", args, log_path=tmp_path / "sidecar.log")
-    trust = ssl.create_default_context(cafile=str(cert))
-    try:
-        url = sidecar.url.replace("http://", "https://")
-
-        def ready() -> bool:
-            if sidecar.proc.poll() is not None:
-                raise AssertionError(sidecar.log_tail())
-            return httpx.get(f"{url}/healthz", verify=trust, timeout=2).status_code == 200
-
-        wait_until(ready, timeout=30, message="TLS sidecar")
-        response = httpx.get(f"{url}/metrics", verify=trust, timeout=5)
-        assert response.status_code == 200 and "robust_sidecar_collector_success" in response.text
-        with pytest.raises(httpx.HTTPError):
-            httpx.get(f"{sidecar.url}/healthz", timeout=2)  # plain HTTP is not served
-    finally:
-        sidecar.stop()
-
-
-def test_sigterm_stops_the_sidecar_and_releases_the_archive(tmp_path: Path) -> None:
-    sidecar = SidecarProcess(tmp_path / "metrics", ["--no-collector.nvml", "--no-collector.nccl"],
-                             log_path=tmp_path / "log")
-    try:
-        sidecar.wait_ready()
-        sidecar.proc.send_signal(15)
-        code = sidecar.proc.wait(timeout=15)
-        assert code in (0, -15), sidecar.log_tail()  # uvicorn re-raises the signal after shutdown
-        assert "Traceback" not in sidecar.log_tail()
-    finally:
-        sidecar.stop()
-    _, folder, _ = build(make_config(tmp_path))  # make_config's folder is tmp_path/metrics
-    assert folder.owner, "the next sidecar must get the archive lock"
-    folder.close()

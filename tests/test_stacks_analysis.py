@@ -1,7 +1,8 @@
 """Stack grouping (`robust_metrics.analysis.stacks.analyse`) on hand-built dumps.
 
-The real-process scenarios live in test_stacks_ranks.py; these pin down the rules: normalisation,
-thread roles, the healthy-group rule, samples, input forms and the mapping to nodes and groups.
+The real-process scenarios live in integration/test_stacks_ranks.py; these pin down the rules:
+normalisation, thread roles, the healthy-group rule, samples, input forms and the mapping to nodes
+and groups.
 """
 
 from __future__ import annotations

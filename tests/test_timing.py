@@ -17,7 +17,7 @@ import robust_metrics
 from robust_metrics import schema
 from robust_metrics.hooks import timing
 from robust_metrics.hooks.timing import CudaEvents, HostClock, StepTimer
-from tests.test_hook import value
+from tests.hook_models import value
 
 
 @pytest.fixture(scope="module")

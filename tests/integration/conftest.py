@@ -1,15 +1,30 @@
-"""Fixtures shared by the end-to-end tests; a module's own fixture of the same name wins."""
+"""The integration tests: every test collected under this folder is marked `integration`, so the
+folder decides which pass runs a test (`make test`'s second pass, `-m integration`); a module
+here names no marker of its own. Also the fixtures they share; a module's own fixture of the same
+name wins."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.integration.test_alerts_e2e import write_test_rules
+from tests.integration.alert_checks import write_test_rules
 from tests.prometheus_fixture import PrometheusServer
 from tests.support import SidecarProcess, require_binary
+
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects by marker
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Marks every test that lives under tests/integration/ (the hook sees the whole session's
+    items, so it checks each item's path, resolved as this folder's is)."""
+    for item in items:
+        if item.path.resolve().is_relative_to(HERE):
+            item.add_marker(pytest.mark.integration)
 
 
 @pytest.fixture(scope="module")

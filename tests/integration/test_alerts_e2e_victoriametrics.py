@@ -27,15 +27,10 @@ from typing import Any
 
 import pytest
 
-from tests.integration import test_alerts_e2e as e2e
-from tests.integration.test_alerts_e2e import (  # noqa: F401 (collected here, with this setup)
-    test_slow_rank_and_nan_loss_are_named,
-)
-from tests.integration.test_alerts_sidecar_e2e import start_job, wait_steps
+from tests.integration import alert_checks as checks
 from tests.support import SidecarProcess, free_port_block
 from tests.victoriametrics_fixture import VictoriaMetricsServer, VMAgent, VMAlert, alertmanager_service
 
-pytestmark = pytest.mark.integration
 SHARDS = 2
 # Scraped samples reach storage within 0.1 s (vmagent's default is 1 s) and recorded series
 # within 0.2 s, as rules chain every second.
@@ -63,9 +58,9 @@ class Backend:
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     folder = tmp_path_factory.mktemp("e2e-vm")
-    ports = {"faulty": free_port_block(e2e.WORLD)}
-    targets = [f"127.0.0.1:{base + r}" for base in ports.values() for r in range(e2e.WORLD)]
-    rules_file = e2e.write_test_rules(folder)
+    ports = {"faulty": free_port_block(checks.WORLD)}
+    targets = [f"127.0.0.1:{base + r}" for base in ports.values() for r in range(checks.WORLD)]
+    rules_file = checks.write_test_rules(folder)
     with VictoriaMetricsServer(folder / "vm") as vm, \
             VMAgent(folder / "vmagent0", vm, targets, members=SHARDS, member=0,
                     extra_args=FAST_WRITE), \
@@ -83,7 +78,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     folder = tmp_path_factory.mktemp("e2e-vm-sidecar")
     metrics = folder / "metrics"
     metrics.mkdir()
-    rules_file = e2e.write_test_rules(folder)
+    rules_file = checks.write_test_rules(folder)
     with SidecarProcess(metrics, ["--node", "node-a"], log_path=folder / "sidecar.log") as side, \
             VictoriaMetricsServer(folder / "vm") as vm, \
             VMAgent(folder / "vmagent", vm, [side.url.removeprefix("http://")],
@@ -94,15 +89,21 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         yield {"prom": Backend(vm, vmalert), "folder": folder, "metrics": metrics}
 
 
+def test_slow_rank_and_nan_loss_are_named(setup: dict[str, Any]) -> None:
+    """tests/integration/test_alerts_e2e.py's test, on this module's `setup`."""
+    checks.slow_rank_and_nan_loss_are_named(setup)
+
+
 def test_healthy_run_is_silent_then_a_stopped_rank_is_named(stack: dict[str, Any]) -> None:
     prom, run, stopped = stack["prom"], "stopped", 3
-    with start_job(stack, run, ["--stop-rank", str(stopped), "--stop-step", "800"]) as job:
-        wait_steps(prom, run, job, steps=5)
+    with checks.start_sidecar_job(stack, run,
+                                  ["--stop-rank", str(stopped), "--stop-step", "800"]) as job:
+        checks.wait_steps(prom, run, job, steps=5)
         # the healthy stretch before the stop: ~40 s, 10 minutes of production time
         recorded = False
         while max(float(r["value"][1]) for r in prom.query(
                 f'robust_global_step{{run="{run}"}}')) < 780:
-            problems = e2e.unexplained(prom, run)
+            problems = checks.unexplained(prom, run)
             assert not problems, "a healthy run raised:\n" + "\n".join(problems) + "\n" + job.logs()
             recorded = recorded or bool(prom.query(
                 f'run:robust_step_duration_seconds:median5m{{run="{run}"}}'))
@@ -110,8 +111,8 @@ def test_healthy_run_is_silent_then_a_stopped_rank_is_named(stack: dict[str, Any
         assert recorded, "the step-time recording rules produced nothing: the silence proves nothing"
         try:
             t0 = time.monotonic()
-            rank_hang = e2e.wait_firing(prom, run, "RankHang", 90, job)
-            hang = e2e.wait_firing(prom, run, "TrainingHang", 10, job)
+            rank_hang = checks.wait_firing(prom, run, "RankHang", 90, job)
+            hang = checks.wait_firing(prom, run, "TrainingHang", 10, job)
             print(f"\nrank {stopped} stopped in the all-reduce: RankHang after "
                   f"{time.monotonic() - t0:.1f}s on VictoriaMetrics")
             assert hang["labels"]["action"] == "dump_stacks"
@@ -119,7 +120,7 @@ def test_healthy_run_is_silent_then_a_stopped_rank_is_named(stack: dict[str, Any
             assert rank_hang["labels"]["node"] == "node-a", rank_hang
             assert rank_hang["labels"]["action"] == "restart"
             time.sleep(2)
-            named = {a["labels"].get("rank") for a in e2e.alerts(prom, run)
+            named = {a["labels"].get("rank") for a in checks.alerts(prom, run)
                      if a["labels"]["alertname"] == "RankHang"}
             assert named == {str(stopped)}, named
         finally:

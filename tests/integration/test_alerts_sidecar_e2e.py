@@ -24,38 +24,16 @@ from typing import Any
 
 import pytest
 
-from robust_metrics.workloads import FAULT_JOB
-from tests.integration.test_alerts_e2e import alerts, wait_firing
+from tests.integration.alert_checks import (
+    WORLD,
+    alerts,
+    names,
+    start_sidecar_job,
+    wait_firing,
+    wait_steps,
+)
 from tests.prometheus_fixture import PrometheusServer
-from tests.support import RankJob, wait_until
-
-pytestmark = pytest.mark.integration
-WORLD = 4
-JOB = FAULT_JOB
-
-
-def start_job(stack: dict[str, Any], run: str, args: list[str]) -> RankJob:
-    logs = stack["folder"] / f"logs-{run}"
-    logs.mkdir(exist_ok=True)
-    return RankJob(WORLD, args, script=JOB, log_dir=logs, run=run,
-                   env={"ROBUST_METRICS_DIR": str(stack["metrics"]),
-                        "ROBUST_METRICS_NODE": "node-a"})
-
-
-def wait_steps(prom: PrometheusServer, run: str, job: RankJob, steps: int = 20,
-               timeout: float = 90) -> None:
-    def stepping() -> bool:
-        result = prom.query(f'count(robust_steps_total{{run="{run}"}} > {steps})')
-        return bool(result) and float(result[0]["value"][1]) == WORLD
-    try:
-        wait_until(stepping, timeout=timeout, interval=0.5, message=f"{run}: {WORLD} ranks stepping")
-    except AssertionError as exc:
-        raise AssertionError(f"{exc}\n{job.logs()}") from None
-
-
-def names(prom: PrometheusServer, run: str, alertname: str) -> set[str]:
-    return {a["labels"].get("rank", "") for a in alerts(prom, run)
-            if a["labels"]["alertname"] == alertname}
+from tests.support import RankJob
 
 
 def unexpected(prom: PrometheusServer, run: str) -> list[dict[str, Any]]:
@@ -80,7 +58,7 @@ def test_phases_and_a_normal_end_raise_nothing(stack: dict[str, Any]) -> None:
     # at step 60, a 3 s evaluation at step 105; then close() and 3 s of shutdown
     args = ["--steps", "150", "--checkpoint-every", "60", "--eval-every", "90",
             "--checkpoint-seconds", "3", "--eval-seconds", "3", "--shutdown-seconds", "3"]
-    with start_job(stack, run, args) as job:
+    with start_sidecar_job(stack, run, args) as job:
         wait_steps(prom, run, job, steps=5)
         while any(p.poll() is None for p in job.procs):
             active = unexpected(prom, run)
@@ -98,7 +76,7 @@ def test_phases_and_a_normal_end_raise_nothing(stack: dict[str, Any]) -> None:
 def test_kill_9_of_a_rank_is_named_within_a_scrape_and_an_evaluation(
         stack: dict[str, Any]) -> None:
     prom, run, victim = stack["prom"], "killed", 2
-    with start_job(stack, run, []) as job:
+    with start_sidecar_job(stack, run, []) as job:
         wait_steps(prom, run, job)
         os.kill(job.pids[victim], signal.SIGKILL)
         t0 = time.monotonic()
@@ -116,7 +94,7 @@ def test_kill_9_of_a_rank_is_named_within_a_scrape_and_an_evaluation(
 
 def test_a_rank_that_never_reaches_its_first_step_is_named(stack: dict[str, Any]) -> None:
     prom, run, late = stack["prom"], "late", 1
-    with start_job(stack, run, ["--first-step-delay-rank", str(late),
+    with start_sidecar_job(stack, run, ["--first-step-delay-rank", str(late),
                                 "--first-step-delay", "12"]) as job:
         t0 = time.monotonic()
         hang = wait_firing(prom, run, "TrainingHang", 30, job)
@@ -133,7 +111,7 @@ def test_a_rank_that_never_reaches_its_first_step_is_named(stack: dict[str, Any]
 
 def test_a_rank_stopped_inside_a_collective_is_named_alone(stack: dict[str, Any]) -> None:
     prom, run, stopped = stack["prom"], "stopped", 3
-    with start_job(stack, run, ["--stop-rank", str(stopped), "--stop-step", "60"]) as job:
+    with start_sidecar_job(stack, run, ["--stop-rank", str(stopped), "--stop-step", "60"]) as job:
         try:
             rank_hang = wait_firing(prom, run, "RankHang", 60, job)
             wait_firing(prom, run, "TrainingHang", 10, job)
@@ -156,7 +134,7 @@ def test_a_stall_that_ends_by_itself_restarts_nothing(stack: dict[str, Any], sta
     evaluation old. What was scraped before the continue may still raise it for one scrape and
     one evaluation (2 s here); then every RankHang resolves."""
     prom, run, stopped = stack["prom"], f"stall-{stall:g}", 2
-    with start_job(stack, run, []) as job:
+    with start_sidecar_job(stack, run, []) as job:
         wait_steps(prom, run, job)
         os.kill(job.pids[stopped], signal.SIGSTOP)
         deadline = time.monotonic() + stall
@@ -194,7 +172,7 @@ def test_a_1_3x_straggler_is_named_by_its_compute_time(stack: dict[str, Any], wh
     """Under DDP a rank slow in backward delays its peers' bucket all-reduces: their blocked time
     grows, its own does not, so its compute time (step minus blocked) still names it."""
     prom, run, slow = stack["prom"], f"slow-{where}", 1
-    with start_job(stack, run, ["--compute", "0.1", "--slow-rank", str(slow), "--slow-factor",
+    with start_sidecar_job(stack, run, ["--compute", "0.1", "--slow-rank", str(slow), "--slow-factor",
                                 "1.3", "--slow-where", where]) as job:
         wait_steps(prom, run, job, steps=5)
         t0 = time.monotonic()
@@ -212,7 +190,7 @@ def test_a_1_1x_straggler_is_named_by_the_statistical_test(stack: dict[str, Any]
     the run's step-to-step spread (sums of squared compute from the real hook), held in 75% of
     3 minutes (12 s here): within 5 minutes at the defaults, 20 s at 1/15 scale."""
     prom, run, slow = stack["prom"], "slow-1.1x", 2
-    with start_job(stack, run, ["--compute", "0.1", "--slow-rank", str(slow), "--slow-factor",
+    with start_sidecar_job(stack, run, ["--compute", "0.1", "--slow-rank", str(slow), "--slow-factor",
                                 "1.1"]) as job:
         wait_steps(prom, run, job, steps=5)
         t0 = time.monotonic()

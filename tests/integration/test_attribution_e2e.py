@@ -16,15 +16,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from robust_metrics import rules
 from robust_metrics.analysis.whatif import analyze, load_model
 from robust_metrics.analysis.whatif.report import verdict
 from tests.prometheus_fixture import PrometheusServer
 from tests.support import RankJob, free_port_block, wait_until
 
-pytestmark = pytest.mark.integration
 JOB = Path(__file__).resolve().parent.parent / "attribution_job.py"
 BASE = ["--dp", "2", "--pp", "2", "--base", "0.1"]
 CASES: dict[str, tuple[list[str], str]] = {  # run -> (job arguments, verdict)

@@ -28,7 +28,6 @@ from robust_metrics.workloads import FAULT_JOB
 from tests.prometheus_fixture import PrometheusServer
 from tests.support import RankJob, wait_until
 
-pytestmark = pytest.mark.integration
 WORLD = 2
 SCRAPE_S = EVAL_S = 1.0
 

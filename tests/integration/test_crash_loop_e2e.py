@@ -23,8 +23,6 @@ from robust_metrics.demo.stack import DemoStack
 from robust_metrics.processes import wait_for
 from tests.support import require_binary
 
-pytestmark = pytest.mark.integration
-
 CRASH_STEP = 9
 LOOP_RESTARTS = 2
 REPEATS = int(os.environ.get("ROBUST_CRASH_LOOP_REPEATS", "1"))  # 5 for the full check

@@ -32,7 +32,6 @@ from tests.bridge_fakes import BridgeProcess, alert, webhook, write_config
 from tests.prometheus_fixture import PrometheusServer, wait_for_series
 from tests.support import ROOT, RankJob, SidecarProcess, free_port, require_binary
 
-pytestmark = pytest.mark.integration
 pytest.importorskip("grafana_foundation_sdk")
 
 RUN = "dash-e2e"
@@ -48,7 +47,7 @@ FAULTS = {Needs.NONFINITE, Needs.ALERT, Needs.GPU_FAULT}
 NOT_PROVEN_HERE = {Needs.HANG: "the bridge must have aggregated the stacks of a hung run",
                    Needs.HOOK_ERROR: "the hook must have caught an exception in training",
                    Needs.INCIDENT: "the bridge's ledger must have entered a finished incident "
-                                   "(tests/test_suspect_node_e2e.py scrapes its node score)",
+                                   "(tests/integration/test_suspect_node_e2e.py scrapes its node score)",
                    Needs.SELFTEST: "a sidecar must have run a node self-test "
                                    "(tests/test_sidecar_selftest.py reads its series)"}
 

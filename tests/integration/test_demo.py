@@ -13,8 +13,6 @@ import pytest
 
 from tests.support import ROOT, require_binary
 
-pytestmark = pytest.mark.integration
-
 
 def run_demo(out: Path, *args: str, timeout: float) -> dict:
     require_binary("prometheus")

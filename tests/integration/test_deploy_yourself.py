@@ -32,7 +32,6 @@ from robust_metrics import cli, processes, rules
 from tests.support import ROOT, free_port, require_binary, wait_until
 
 pytestmark = [
-    pytest.mark.integration,
     pytest.mark.skipif("job" not in cli.COMMANDS, reason=(
         "`robust-metrics job start|stop|status` (a run started under the bridge's local "
         "scheduler, step 7 of docs/deploy-yourself.md) is not in this build yet")),

@@ -23,7 +23,6 @@ from tests.integration.framework_jobs import (
 from tests.integration.parallel_jobs import run_job, series, value
 
 pytest.importorskip("accelerate", reason="the huggingface extra is not installed")
-pytestmark = pytest.mark.integration
 
 
 def test_accelerate_ddp_with_gradient_accumulation(tmp_path: Path) -> None:

@@ -31,7 +31,6 @@ from tests.integration.parallel_jobs import run_job, series, value
 
 BUILD_S = 540
 pytestmark = [
-    pytest.mark.integration,
     pytest.mark.timeout(BUILD_S + 300),  # the first test's set-up may build the op
     pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
                        reason="deepspeed is not installed (pip install -e '.[deepspeed]')"),

@@ -13,7 +13,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from robust_metrics import schema
 from tests.support import RankJob, free_port_block, wait_until
 
-pytestmark = pytest.mark.integration
 WORLD = 4
 SLOW, NAN = 3, 1
 

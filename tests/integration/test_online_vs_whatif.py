@@ -10,14 +10,11 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import pytest
-
 from robust_metrics import rules
 from robust_metrics.analysis.whatif import analyze, load_model
 from tests.prometheus_fixture import PrometheusServer
 from tests.support import RankJob, free_port_block, wait_until
 
-pytestmark = pytest.mark.integration
 JOB = Path(__file__).resolve().parent.parent / "whatif_trace_job.py"
 RUN = "online-vs-whatif"
 SLOW = 2

@@ -24,11 +24,9 @@ from typing import Any
 import pytest
 
 from robust_metrics import workloads
-from tests.integration.test_alerts_e2e import alerts, wait_firing
-from tests.integration.test_alerts_sidecar_e2e import names, wait_steps
+from tests.integration.alert_checks import alerts, names, wait_firing, wait_steps
 from tests.support import RankJob
 
-pytestmark = pytest.mark.integration
 WORLD = 4
 JOB = Path(workloads.__file__).resolve().parent / "parallel_job.py"
 STACKS = {"fsdp2": ["--stack", "fsdp2"], "pipeline": ["--stack", "pp", "--schedule", "gpipe"]}

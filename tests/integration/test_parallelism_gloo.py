@@ -21,8 +21,6 @@ from tests.integration.parallel_jobs import (
     value,
 )
 
-pytestmark = pytest.mark.integration
-
 
 def test_topology_comes_from_the_device_mesh_and_the_pipeline_stage(tmp_path: Path) -> None:
     samples = run_job(tmp_path, 4, "--stack", "fsdp2_tp", "--compute", "0.02")

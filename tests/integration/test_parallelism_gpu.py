@@ -16,7 +16,7 @@ import pytest
 
 from tests.integration.parallel_jobs import assert_named, run_job, series, value
 
-pytestmark = [pytest.mark.gpu, pytest.mark.integration]
+pytestmark = pytest.mark.gpu
 STEPS = 20
 WORLD = 2
 

@@ -20,8 +20,6 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import pytest
-
 from robust_metrics import rules, workloads
 from robust_metrics.analysis.whatif import analyze, load_model
 from robust_metrics.analysis.whatif.report import verdict
@@ -29,7 +27,6 @@ from robust_metrics.processes import RankJob
 from tests.prometheus_fixture import PrometheusServer
 from tests.support import free_port_block, wait_until
 
-pytestmark = pytest.mark.integration
 JOB = Path(workloads.__file__).resolve().parent / "parallel_job.py"
 RUN = "pp-heavy-last-stage"
 WINDOW = 20  # seconds: the rules' 5-minute windows at time scale 1/15

@@ -34,7 +34,6 @@ from tests.prometheus_fixture import PrometheusServer
 from tests.remote_write import push
 from tests.victoriametrics_fixture import VictoriaMetricsServer
 
-pytestmark = pytest.mark.integration
 EVAL_S = 30
 TOLERANCE = 0.05
 # Records that are a rate themselves, or a difference of two, rather than a ratio of two rates

@@ -12,12 +12,10 @@ from collections import Counter
 from pathlib import Path
 
 import httpx
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support import ROOT, RankJob, SidecarProcess, wait_until
 
-pytestmark = pytest.mark.integration
 RUN = "series"
 
 

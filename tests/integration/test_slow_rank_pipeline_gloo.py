@@ -13,8 +13,6 @@ import pytest
 
 from tests.integration.parallel_jobs import CASES, run_slow_rank_case
 
-pytestmark = pytest.mark.integration
-
 
 @pytest.mark.parametrize("case", [case for case in CASES if case.startswith("pp-")])
 def test_a_slow_rank_is_named_by_its_compute(tmp_path: Path, case: str) -> None:

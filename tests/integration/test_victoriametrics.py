@@ -18,7 +18,6 @@ import pytest
 from tests.support import wait_until
 from tests.victoriametrics_fixture import VictoriaMetricsServer, VMAgent, VMAlert, alertmanager_service
 
-pytestmark = pytest.mark.integration
 TARGETS = 12
 
 

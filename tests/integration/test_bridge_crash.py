@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 
 from robust_metrics.bridge.schedulers.local import LocalScheduler
 from tests.bridge_fakes import (
@@ -32,7 +31,6 @@ from tests.bridge_fakes import (
 )
 from tests.support import free_port, wait_until
 
-pytestmark = pytest.mark.integration
 TOKEN = "crash-token"
 
 JOB = """

@@ -29,8 +29,6 @@ from robust_metrics.sidecar.stacks import find_py_spy
 from tests.prometheus_fixture import PrometheusServer
 from tests.support import ROOT, RankJob, SidecarProcess, free_port, wait_until
 
-pytestmark = pytest.mark.integration
-
 TRAIN = ROOT / "tests" / "stacks_train.py"
 FR_JOB = ROOT / "tests" / "fr_job.py"
 RUN = "stacks-run"

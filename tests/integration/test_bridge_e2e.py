@@ -19,7 +19,6 @@ from robust_metrics.bridge.service import Bridge
 from tests.bridge_fakes import alert, serve_app, webhook
 from tests.support import EXAMPLE, SidecarProcess, wait_until
 
-pytestmark = pytest.mark.integration
 TOKEN = "e2e-bridge-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 

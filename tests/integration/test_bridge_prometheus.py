@@ -25,7 +25,6 @@ from tests.bridge_fakes import FakeSidecar, alert, serve_app, webhook
 from tests.prometheus_fixture import PrometheusServer, wait_for_series
 from tests.support import EXAMPLE, free_port, rank_job, wait_until
 
-pytestmark = pytest.mark.integration
 TOKEN = "prom-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
@@ -106,8 +105,7 @@ def test_checkpoint_through_kubernetes_is_a_pod_annotation_acknowledged_in_prome
     the fake API server, a kubelet stand-in projects each pod's annotations into its file, the
     real rank checkpoints once and Prometheus shows its acknowledgement."""
     pytest.importorskip("kubernetes", reason="the kubernetes extra is not installed")
-    from tests.kube_fakes import FakeKubeAPI, kubelet_write
-    from tests.test_kubernetes_adapter import kubeconfig
+    from tests.kube_fakes import FakeKubeAPI, kubeconfig, kubelet_write
 
     api = FakeKubeAPI()
     stop = threading.Event()

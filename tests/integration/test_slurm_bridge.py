@@ -67,7 +67,6 @@ def _settled(client: httpx.Client, rule: str) -> dict[str, Any]:
                       message=lambda: f"the bridge to finish rule {rule}: {_actions(client)}")
 
 
-@pytest.mark.integration
 def test_alerts_checkpoint_and_requeue_the_job_and_drain_the_node(slurm_cluster: SlurmCluster,
                                                    bridge: httpx.Client, tmp_path: Path) -> None:
     c = slurm_cluster

@@ -13,7 +13,6 @@ from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import httpx
-import pytest
 
 from robust_metrics.bridge.app import create_app
 from robust_metrics.bridge.config import parse
@@ -24,7 +23,6 @@ from tests.bridge_fakes import Receiver, StubServer, alert, send_reply, serve_ap
 from tests.prometheus_fixture import PrometheusServer
 from tests.support import require_binary, wait_until
 
-pytestmark = pytest.mark.integration
 TOKEN = "suspect-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 SIDECARS = ("n7", "n8", "n9", "n10")

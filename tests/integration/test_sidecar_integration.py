@@ -23,8 +23,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from robust_metrics.processes import spawn
 from tests.support import ROOT, RankJob, SidecarProcess, require_binary, wait_until
 
-pytestmark = pytest.mark.integration
-
 WRITER = ROOT / "tests" / "fixtures" / "sidecar" / "rank_writer.py"
 TOKEN = "integration-token"
 QUIET = ["--no-collector.nvml", "--no-collector.nccl", "--no-collector.nic"]

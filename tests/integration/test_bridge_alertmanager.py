@@ -22,7 +22,6 @@ from robust_metrics.processes import alertmanager
 from tests.bridge_fakes import Receiver, serve_app
 from tests.support import require_binary, wait_until
 
-pytestmark = pytest.mark.integration
 TOKEN = "am-bridge-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 

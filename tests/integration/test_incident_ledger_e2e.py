@@ -21,8 +21,6 @@ from tests.bridge_fakes import alert, webhook
 from tests.incident_parts import AUTH, RUN, Parts, incident_parts
 from tests.support import wait_until
 
-pytestmark = pytest.mark.integration
-
 
 def _metric(text: str, name: str, **labels: str) -> float | None:
     for family in text_string_to_metric_families(text):

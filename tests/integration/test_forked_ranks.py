@@ -12,7 +12,7 @@ import pytest
 
 from robust_metrics.processes import RankJob, leftovers
 
-SCRIPT = Path(__file__).parent / "fixtures" / "ranks" / "rank_script.py"
+SCRIPT = Path(__file__).parent.parent / "fixtures" / "ranks" / "rank_script.py"
 
 
 def _job(tmp_path: Path, mode: str, nproc: int = 3) -> RankJob:
