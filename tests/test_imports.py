@@ -1,4 +1,4 @@
-"""The sidecar's modules import one another in layers, never in a circle.
+"""Each package's modules import one another in layers, never in a circle.
 
 The collector registry once imported the collectors package (lazily, inside a function) while each
 collector imported the registry: eight modules in one circle, which a reader must hold whole to
@@ -13,6 +13,8 @@ import ast
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from tests.support import ROOT
 
@@ -87,6 +89,16 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_no_module_of_the_sidecar_imports_in_a_circle() -> None:
     assert cycles(import_graph(ROOT, "robust_metrics.sidecar")) == []
+
+
+PACKAGES = sorted(p.parent.name for p in (ROOT / "robust_metrics").glob("*/__init__.py"))
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_no_package_imports_in_a_circle(package: str) -> None:
+    """The same for every package of robust_metrics (the hooks' collective paths once formed
+    one: collectives imported funcol lazily, funcol took collectives' private helpers)."""
+    assert cycles(import_graph(ROOT, f"robust_metrics.{package}")) == []
 
 
 def test_the_check_finds_a_circle_through_a_lazy_import(tmp_path: Path) -> None:
