@@ -4,11 +4,9 @@ Plain code that knows neither HTTP routes nor SQL: it gets a `StepContext` (the 
 step's options, a way to save progress durably) and returns an `Outcome`. The engine records
 the step as running before calling in and the outcome after, and asks `resumable()` after a crash.
 
-The `checkpoint` action asks the node sidecars (which write each rank's control file); when the
-policy configures no `sidecars`, or the step names a `scheduler`, it sends SIGUSR1 to the run
-through the scheduler instead, the hook's other way in (Slurm: `scancel --signal=USR1`;
-Kubernetes: a pod annotation the hook reads from a downward API file; webhook: the receiver's).
-Either way the acknowledgement is read through Prometheus (`robust_checkpoint_request_id`).
+The `checkpoint` action (checkpoint_action.py) asks the node sidecars, or signals the run through
+a scheduler; the `selftest` action (selftest_action.py) runs the nodes' self-tests and drains the
+nodes that fail. The step's context and outcome are steps.py's.
 
 Crash behaviour per action (a step found `running` at start):
 - checkpoint: once the request ids (or the time of the signal) are saved, waiting for the
@@ -32,76 +30,31 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import signal
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import httpx
 
 from robust_metrics import schema
+from robust_metrics.bridge.checkpoint_action import CheckpointAction
 from robust_metrics.bridge.config import BridgeConfig, NotifyConfig
-from robust_metrics.bridge.demarcation import node_verdict, peer_outliers
 from robust_metrics.bridge.metrics import BridgeMetrics
-from robust_metrics.bridge.plan import PlanStep
 from robust_metrics.bridge.policy import eviction_nodes
-from robust_metrics.bridge.prometheus import ACK_METRIC as SIGNAL_ACK
 from robust_metrics.bridge.prometheus import PrometheusClient, PrometheusError, promql_string
 from robust_metrics.bridge.schedulers.base import ActionResult, Scheduler, SchedulerError
+from robust_metrics.bridge.selftest_action import SelftestAction
 from robust_metrics.bridge.sidecars import SidecarClient, SidecarError
 from robust_metrics.bridge.signing import signed_request
+from robust_metrics.bridge.steps import Interrupted, Outcome, StepContext
 from robust_metrics.bridge.store import Incident, Step
-from robust_metrics.numbers import rank_order
 from robust_metrics.rankfolder.identity import rank_info as identity_rank_info
 
 __all__ = ["HANDLERS", "Actions", "Interrupted", "Notifier", "Outcome", "StepContext"]
 
 log = logging.getLogger(__name__)
 RUN_STOP = schema.RUN_STOP_TIMESTAMP.name
-
-
-class Interrupted(Exception):
-    """The bridge is shutting down; the step stays `running` and resumes at the next start."""
-
-
-@dataclass
-class StepContext:
-    """One step as the engine hands it to its action: the incident, the planned step (given in
-    its stored form, it is read into a `PlanStep`), a way to save progress durably, and what a
-    previous attempt saved."""
-
-    incident: Incident
-    idx: int
-    spec: PlanStep
-    save: Callable[[Mapping[str, Any]], None]
-    data: dict[str, Any] = field(default_factory=dict)
-    resumed: bool = False
-    earlier: Sequence[Step] = ()  # the incident's steps before this one, as recorded
-
-    def __post_init__(self) -> None:
-        self.spec = PlanStep.from_dict(self.spec)
-
-    @property
-    def key(self) -> str:
-        """Idempotency key of this step, passed to schedulers and webhook receivers."""
-        return f"{self.incident.key}#{self.idx}"
-
-    @property
-    def options(self) -> dict[str, Any]:
-        return dict(self.spec.options)
-
-    @property
-    def dry_run(self) -> bool:
-        return self.spec.dry_run
-
-
-@dataclass(frozen=True)
-class Outcome:
-    status: str  # success, failed, skipped, dry_run
-    detail: str
-    data: dict[str, Any] = field(default_factory=dict)
 
 
 class Notifier:
@@ -124,9 +77,6 @@ class Notifier:
 
     def close(self) -> None:
         self._http.close()
-
-
-CHECKPOINT_SIGNAL = signal.SIGUSR1  # the hook's default `checkpoint_signal`
 
 
 def _analyse(dumps: list[dict[str, Any]]) -> tuple[dict[str, Any] | None, str]:
@@ -162,6 +112,9 @@ class Actions:
         self.stop = stop or threading.Event()
         self._suspects: dict[str, set[tuple[str, str]]] = {}  # run -> (rank, node) now at 1
         self._unscraped_warned = threading.Event()  # the stop notice's warning, given once
+        self.checkpoints = CheckpointAction(config, sidecars, prometheus, self._scheduler,
+                                            self.stop)
+        self.selftests = SelftestAction(sidecars, self._scheduler, self._reason, self.stop)
 
     # ------------------------------------------------------------------ dispatch
     def run(self, ctx: StepContext) -> Outcome:
@@ -211,138 +164,8 @@ class Actions:
             f": {summary}" if summary else "") + f" [{ctx.key}]"
 
     # ------------------------------------------------------------------ actions
-    def _checkpoint_scheduler(self, ctx: StepContext) -> str | None:
-        """The scheduler a checkpoint goes through, or None for the sidecars.
-
-        A step's own `scheduler` wins; without configured sidecars, the checkpoint taken before
-        a restart uses the restart's scheduler, any other the default scheduler.
-        """
-        if ctx.options.get("scheduler"):
-            return str(ctx.options["scheduler"])
-        if self.config.sidecars.configured:
-            return None
-        plan = ctx.incident.plan
-        if ctx.options.get("before_restart") and ctx.idx + 1 < len(plan):
-            after = plan[ctx.idx + 1].options.get("scheduler")
-            if after:
-                return str(after)
-        return self.config.default_scheduler
-
     def _checkpoint(self, ctx: StepContext) -> Outcome:
-        scheduler = self._checkpoint_scheduler(ctx)
-        if scheduler is not None:
-            return self._checkpoint_by_signal(ctx, scheduler)
-        run = ctx.incident.run
-        requests: dict[str, int] = dict(ctx.data.get("requests") or {})
-        data: dict[str, Any] = dict(ctx.data)
-        if not requests:
-            nodes = self.sidecars.nodes(run, ctx.incident.labels)
-            if ctx.dry_run:
-                return Outcome("dry_run", f"would ask the sidecars of {', '.join(nodes)} for a "
-                               f"checkpoint of run {run}", {"nodes": nodes})
-            errors: dict[str, str] = {}
-            for node in nodes:
-                try:
-                    requests[node] = self.sidecars.request_checkpoint(
-                        node, ctx.options.get("at_step"))
-                except SidecarError as exc:
-                    errors[node] = str(exc)
-            data = {"nodes": nodes, "requests": requests, "errors": errors,
-                    "deadline": time.time() + float(ctx.options.get("timeout_s", 120.0))}
-            ctx.save(data)  # from here on a crash resumes the wait instead of asking again
-            if not requests:
-                return Outcome("failed", "no sidecar took the checkpoint request: "
-                               + "; ".join(errors.values()), data)
-        deadline = float(data.get("deadline", time.time()))
-        pending = dict(requests)
-        last: dict[str, str] = {}
-        while True:
-            for node, request_id in list(pending.items()):
-                try:
-                    ok, why = self.sidecars.acknowledged(run, node, request_id)
-                except SidecarError as exc:
-                    ok, why = False, str(exc)
-                last[node] = why
-                if ok:
-                    del pending[node]
-            if not pending or time.time() >= deadline:
-                break
-            if self.stop.wait(self.config.sidecars.ack_poll_s):
-                raise Interrupted()
-        data["acknowledged"] = sorted(set(requests) - set(pending))
-        errors = dict(data.get("errors") or {})
-        if pending:
-            return Outcome("failed", "checkpoint not acknowledged before the timeout: "
-                           + "; ".join(last[n] for n in sorted(pending)), data)
-        if errors:
-            return Outcome("failed", "checkpoint acknowledged on "
-                           f"{', '.join(data['acknowledged'])} but not requested on: "
-                           + "; ".join(errors.values()), data)
-        return Outcome("success", f"checkpoint of run {run} acknowledged by all ranks on "
-                       f"{', '.join(data['acknowledged'])}", data)
-
-    def _checkpoint_by_signal(self, ctx: StepContext, name: str) -> Outcome:
-        """SIGUSR1 to the run through the scheduler, then (with Prometheus) wait until every rank
-        shows a newer `robust_checkpoint_request_id` than before the signal."""
-        name, scheduler = self._scheduler(ctx, name)
-        run = ctx.incident.run
-        data: dict[str, Any] = dict(ctx.data)
-        if "signal_ms" not in data:
-            if ctx.dry_run:
-                return Outcome("dry_run", f"would send {CHECKPOINT_SIGNAL.name} to run {run} "
-                               f"through scheduler {name} for a checkpoint", {"scheduler": name})
-            before = self._checkpoint_ids(run)
-            data = {"scheduler": name, "signal": CHECKPOINT_SIGNAL.name, "before": before,
-                    "signal_ms": time.time_ns() // 1_000_000,
-                    "deadline": time.time() + float(ctx.options.get("timeout_s", 120.0))}
-            ctx.save(data)  # from here on a crash waits for the acknowledgement, never re-signals
-            result = scheduler.signal(run, CHECKPOINT_SIGNAL, key=ctx.key)
-            data.update(result.data, delivered=result.ok)
-            ctx.save(data)
-            if not result.ok:
-                return Outcome("failed", result.detail, data)
-            data["detail"] = result.detail
-        sent = str(data.get("detail") or f"{data['signal']} sent to run {run} through {name}")
-        if self.prometheus is None:
-            if not data.get("delivered"):
-                return Outcome("failed", f"the bridge stopped while sending {data['signal']} to "
-                               f"run {run}; whether it arrived is unknown (no prometheus.url to "
-                               "read the acknowledgement from)", data)
-            return Outcome("success", f"{sent}; acknowledgement not checked: prometheus.url is "
-                           "not set", data)
-        return self._await_checkpoint_ids(ctx, data, sent)
-
-    def _checkpoint_ids(self, run: str) -> dict[str, float]:
-        """rank -> newest checkpoint request id each rank of the run acknowledged (0: none)."""
-        if self.prometheus is None:
-            return {}
-        return self.prometheus.checkpoint_ids(run)
-
-    def _await_checkpoint_ids(self, ctx: StepContext, data: dict[str, Any],
-                              sent: str) -> Outcome:
-        run = ctx.incident.run
-        before: dict[str, float] = dict(data.get("before") or {})
-        deadline = float(data.get("deadline", time.time()))
-        assert self.prometheus is not None  # the caller returned without one
-        while True:
-            try:
-                now = self.prometheus.checkpoint_ids(run)
-            except PrometheusError as exc:
-                now, why = {}, str(exc)
-            else:
-                why = f"Prometheus shows no {SIGNAL_ACK} of run {run}"
-            waiting = sorted((r for r in now if now[r] <= before.get(r, 0.0)), key=rank_order)
-            if now and not waiting:
-                data["acknowledged"] = sorted(now, key=rank_order)
-                return Outcome("success", f"{sent}; checkpoint acknowledged by ranks "
-                               f"{', '.join(data['acknowledged'])}", data)
-            if waiting:
-                why = f"ranks {', '.join(waiting)} have not acknowledged a new checkpoint request"
-            if time.time() >= deadline:
-                return Outcome("failed", f"{sent}; checkpoint not acknowledged before the "
-                               f"timeout: {why}", data)
-            if self.stop.wait(self.config.sidecars.ack_poll_s):
-                raise Interrupted()
+        return self.checkpoints.run(ctx)
 
     def _dump_stacks(self, ctx: StepContext) -> Outcome:
         run = ctx.incident.run
@@ -388,76 +211,7 @@ class Actions:
         self._suspects[run] = now
 
     def _selftest(self, ctx: StepContext) -> Outcome:
-        """Ask each node of the run for its self-test, hold the nodes against each other, and
-        drain the nodes that fail; the restart after this step then lands on the others."""
-        data: dict[str, Any] = dict(ctx.data)
-        nodes = list(data.get("nodes") or self.sidecars.nodes(ctx.incident.run,
-                                                               ctx.incident.labels))
-        if ctx.dry_run:
-            return Outcome("dry_run", f"would run the self-test on {', '.join(nodes)} and drain "
-                           "the nodes that fail", {"nodes": nodes})
-        data["nodes"] = nodes
-        verdicts = self._selftest_verdicts(ctx, data)
-        outliers = peer_outliers(verdicts, float(ctx.options.get("min_fraction", 0.5)))
-        for node, why in outliers.items():
-            own = verdicts[node].get("detail")
-            verdicts[node] = {**verdicts[node], "verdict": "fail",
-                              "detail": f"{own}; {why}" if own else why,
-                              "failed": sorted({*verdicts[node].get("failed", []), "compute"})}
-        data["failed"] = sorted(n for n, v in verdicts.items() if v["verdict"] == "fail")
-        unreachable = sorted(n for n, v in verdicts.items() if v["verdict"] == "error")
-        data.update(verdicts=verdicts, unreachable=unreachable)
-        ctx.save(data)
-        if data["failed"] and ctx.options.get("drain", True):
-            self._drain_failed(ctx, data)
-        return self._selftest_outcome(data)
-
-    def _selftest_verdicts(self, ctx: StepContext, data: dict[str, Any]) -> dict[str, Any]:
-        """node -> verdict, asking only the nodes without one (a resumed step keeps the rest)."""
-        verdicts: dict[str, Any] = dict(data.get("verdicts") or {})
-        body: dict[str, Any] = {"quick": bool(ctx.options.get("quick", True))}
-        if ctx.options.get("checks"):
-            body["checks"] = [c.strip() for c in str(ctx.options["checks"]).split(",")]
-        for node in data["nodes"]:
-            if node in verdicts:
-                continue
-            if self.stop.is_set():
-                raise Interrupted()
-            try:
-                verdicts[node] = node_verdict(self.sidecars.selftest(
-                    node, body, float(ctx.options.get("timeout_s", 330.0))))
-            except SidecarError as exc:
-                verdicts[node] = {"verdict": "error", "failed": [], "detail": str(exc)}
-            ctx.save({**data, "verdicts": verdicts})
-        return verdicts
-
-    def _drain_failed(self, ctx: StepContext, data: dict[str, Any]) -> None:
-        name, scheduler = self._scheduler(ctx)
-        drained: dict[str, Any] = dict(data.get("drained") or {})
-        for node in data["failed"]:
-            if (drained.get(node) or {}).get("ok"):
-                continue
-            why = data["verdicts"][node].get("detail") or "self-test failed"
-            result = scheduler.drain_node(node, f"{self._reason(ctx)}: self-test failed: {why}",
-                                          key=f"{ctx.key}:{node}")
-            drained[node] = {"ok": result.ok, "detail": result.detail}
-            data.update(drained=drained, scheduler=name)
-            ctx.save(data)
-
-    @staticmethod
-    def _selftest_outcome(data: dict[str, Any]) -> Outcome:
-        verdicts, failed = data["verdicts"], data["failed"]
-        drained = data.get("drained") or {}
-        summary = ", ".join(f"{n} {v['verdict']}" for n, v in sorted(verdicts.items()))
-        bad_drains = sorted(n for n, d in drained.items() if not d.get("ok"))
-        if len(data["unreachable"]) == len(verdicts):
-            return Outcome("failed", f"no sidecar ran the self-test: {summary}", data)
-        if bad_drains:
-            return Outcome("failed", f"self-test: {summary}; drain failed on "
-                           f"{', '.join(bad_drains)}: "
-                           + "; ".join(drained[n]["detail"] for n in bad_drains), data)
-        done = f"; drained {', '.join(failed)}" if drained else ""
-        return Outcome("success", f"self-test: {summary}{done}", data)
+        return self.selftests.run(ctx)
 
     def _restart(self, ctx: StepContext) -> Outcome:
         name, scheduler = self._scheduler(ctx)
