@@ -15,7 +15,7 @@ import pytest
 from robust_metrics.bridge.config import parse
 from robust_metrics.bridge.ledger import Entry, Ledger
 from robust_metrics.bridge.metrics import BridgeMetrics
-from robust_metrics.bridge.numerics import NanEvidence, first_report, nan_verdict
+from robust_metrics.bridge.nan_verdict import NanEvidence, first_report, nan_verdict
 from robust_metrics.bridge.policy import AlertFacts, History, decide
 from robust_metrics.bridge.store import ActionStore, NewAlert
 from tests.bridge_fakes import run_incident

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from robust_metrics.bridge.ledger import named
-from robust_metrics.bridge.numerics import first_report
+from robust_metrics.bridge.nan_verdict import first_report
 from robust_metrics.bridge.store import Incident
 from robust_metrics.numbers import decimal, rank_order
 

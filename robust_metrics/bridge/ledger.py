@@ -56,7 +56,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from robust_metrics import schema
 from robust_metrics.bridge.config import BridgeConfig
 from robust_metrics.bridge.metrics import BridgeMetrics
-from robust_metrics.bridge.numerics import NanEvidence, first_report, nan_verdict
+from robust_metrics.bridge.nan_verdict import NanEvidence, first_report, nan_verdict
 from robust_metrics.bridge.payload import parse_time
 from robust_metrics.bridge.policy import is_hang
 from robust_metrics.bridge.store import ActionStore, Incident, Step
