@@ -251,6 +251,9 @@ class StepTimer:
         """Seconds blocked in a step: the sum of its intervals, never more than the step."""
         if not intervals:
             return 0.0
-        elapsed = self.source.elapsed
-        blocked = sum(max(0.0, elapsed(b, e)) for b, e in intervals)
+        if self.source.host:  # marks are times: no call per interval
+            blocked = sum([max(0.0, e - b) for b, e in intervals])
+        else:
+            elapsed = self.source.elapsed
+            blocked = sum([max(0.0, elapsed(b, e)) for b, e in intervals])
         return min(blocked, max(seconds, 0.0))
