@@ -308,8 +308,10 @@ class CollectiveTracker:
     def attach_nccl_completion_hook(self, pg: Any) -> bool:
         """On NCCL, durations come from the process group's completion hook, not futures.
 
-        Needs `TORCH_NCCL_ENABLE_TIMING=1` for device-side durations; returns False when the
-        process group has no such hook.
+        PyTorch registers it only under `TORCH_NCCL_ENABLE_TIMING=1` (else it raises, and the
+        group is accounted on the host: see the README for what that loses); the hook never sets
+        the variable, whose events cost NCCL/compute overlap. Returns False when the process
+        group has no such hook.
         """
         register = getattr(pg, "_register_on_completion_hook", None)
         if register is None:
