@@ -4,11 +4,13 @@ against a peer, nvidia-resiliency-ext's straggler sections, in the same run.
 A 2-layer 256-wide MLP on gloo, `--stack`:
 - `ddp` (default): under DDP on a 1-rank group (DDP's reducer and all-reduce are on the path),
   ~1.2 ms steps;
-- `fsdp2`: `fully_shard` on each layer and the root, on a 1-rank group (every all-gather and
-  reduce-scatter goes through the hook's wrappers);
+- `fsdp2`: `fully_shard` on each layer and the root, on two ranks (two processes; on one rank
+  FSDP2 issues no collective at all), every all-gather and reduce-scatter through the hook's
+  wrappers;
 - `pp`: two ranks (two processes), one pipeline stage of one layer each under GPipe with 4
-  micro-batches (every send and receive, and its `Work.wait`, goes through the wrappers); both
-  ranks run the same variants in the same order, rank 0 reports its own CPU time.
+  micro-batches (every send and receive, and its `Work.wait`, goes through the wrappers).
+On two ranks both run the same variants in the same order, and rank 0 reports its training
+thread's CPU time (gloo's threads spin while a rank waits for its peer).
 
 One model trains under every variant in turn, `--steps` steps each,
 the variants in a rotated order per round (interleaved rounds, so drift on a shared machine hits
@@ -130,10 +132,10 @@ class CpuSections:
 def loop(stack: Stack, batches: list[torch.Tensor], clip: bool,
          section: Section = _no_section) -> tuple[float, float]:
     """Run one pass over `batches`; return (CPU seconds, wall seconds). CPU is the process's,
-    except for the pipeline: there gloo's threads spin while a rank waits for its peer, and
-    their CPU follows the peer's timing, so the training thread's CPU is counted (the hook's
-    flusher thread, every 0.25 s, is then left out)."""
-    clock = time.thread_time if stack.schedule is not None else time.process_time
+    except on two ranks: there gloo's threads spin while a rank waits for its peer, and their
+    CPU follows the peer's timing, so the training thread's CPU is counted (the hook's flusher
+    thread, every 0.25 s, is then left out)."""
+    clock = time.thread_time if dist.get_world_size() > 1 else time.process_time
     cpu, wall = clock(), time.perf_counter()
     for x in batches:
         stack.forward_backward(x, section)
@@ -334,7 +336,7 @@ def main() -> None:
         parser.error("--rounds must be at least 21 and --steps at least 20")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29591")
-    if args.stack == "pp":  # two ranks, one stage each
+    if args.stack != "ddp":  # two ranks: one stage each, or FSDP2's shards
         import torch.multiprocessing as mp
 
         mp.spawn(run_rank, args=(2, args), nprocs=2, join=True)
@@ -364,7 +366,7 @@ def run_rank(rank: int, world: int, args: argparse.Namespace) -> None:
     if not report:
         dist.destroy_process_group()
         return
-    clock = "training thread" if args.stack == "pp" else "process"
+    clock = "training thread" if world > 1 else "process"
     print(f"\n{args.stack}: baseline step (fastest round): {1e3 * base:.3f} ms CPU ({clock}), "
           f"{args.rounds} interleaved rounds of {args.steps} steps, clip_grad_norm_ on, "
           "multiprocess backend")

@@ -118,6 +118,7 @@ class DdpProbe:
 
         def on_grad(param: Any) -> None:
             try:
+                # False under DDP's no_sync(): that backward reduces nothing
                 syncing = getattr(model, "require_backward_grad_sync", True)
                 if self.watched is None:
                     if not self._order and on_launch is not None and syncing:
@@ -153,14 +154,11 @@ class DdpProbe:
             window = self._timer.backward_end()
             if self.watched is None and self._order:
                 self._keep(self._order[-1])
-            if window is not None and self.on_window is not None and self._syncing():
+            if (window is not None and self.on_window is not None
+                    and getattr(self._model, "require_backward_grad_sync", True)):
                 self.on_window(*window)
         except Exception as exc:
             self._on_error("ddp_timing", exc)
-
-    def _syncing(self) -> bool:
-        """False under DDP's no_sync(): that backward reduces nothing."""
-        return bool(getattr(self._model, "require_backward_grad_sync", True))
 
     def _keep(self, index: int) -> None:
         """After the first backward, only the last-ready parameter stays hooked."""
