@@ -79,6 +79,7 @@ def wrap_call(tracker: CollectiveTracker, fn_name: str, op: str,
     peer_at = {name: index(name) for name in _PEER_ARGUMENTS} if op in ("send", "recv") else {}
 
     labels, scope = tracker.labels, tracker.calls  # looked up once: this runs per collective
+    pairs: dict[tuple[str, int], str] = {}  # (group, peer) -> its pair label, per wrapper
 
     @functools.wraps(original)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -88,7 +89,11 @@ def wrap_call(tracker: CollectiveTracker, fn_name: str, op: str,
             pg = argument(args, kwargs, "group", group_at)
             group = labels.get(id(pg)) or tracker.label(pg)
             peer = _peer(pg, args, kwargs, peer_at) if peer_at else None
-            counted = _pair_label(group, peer) if peer is not None else None
+            counted = None
+            if peer is not None:
+                counted = pairs.get((group, peer))
+                if counted is None:
+                    counted = pairs[(group, peer)] = _pair_label(group, peer)
             launch = tracker.enter(op, group, payload_bytes(args[0]) if args else 0,
                                    counted, peer)
         except Exception as exc:  # accounting must never break the collective
