@@ -4,11 +4,13 @@ against a peer, nvidia-resiliency-ext's straggler sections, in the same run.
 A 2-layer 256-wide MLP on gloo, `--stack`:
 - `ddp` (default): under DDP on a 1-rank group (DDP's reducer and all-reduce are on the path),
   ~1.2 ms steps;
-- `fsdp2`: `fully_shard` on each layer and the root, on a 1-rank group (every all-gather and
-  reduce-scatter goes through the hook's wrappers);
+- `fsdp2`: `fully_shard` on each layer and the root, on two ranks (two processes; on one rank
+  FSDP2 issues no collective at all), every all-gather and reduce-scatter through the hook's
+  wrappers;
 - `pp`: two ranks (two processes), one pipeline stage of one layer each under GPipe with 4
-  micro-batches (every send and receive, and its `Work.wait`, goes through the wrappers); both
-  ranks run the same variants in the same order, rank 0 reports its own CPU time.
+  micro-batches (every send and receive, and its `Work.wait`, goes through the wrappers).
+On two ranks both run the same variants in the same order, and rank 0 reports its training
+thread's CPU time (gloo's threads spin while a rank waits for its peer).
 
 One model trains under every variant in turn, `--steps` steps each,
 the variants in a rotated order per round (interleaved rounds, so drift on a shared machine hits
@@ -23,10 +25,16 @@ all alike):
   is what the peer does on the CPU;
 - CPU sections, always, as a floor for any sectioned timer.
 
-Figures are process CPU seconds per step: per variant, the median over rounds of (variant -
-baseline of the same round), and the difference of the fastest rounds. Run:
+Figures are process CPU seconds per step (every thread: gloo's and the hook's flusher), and wall
+seconds beside them: per variant, the median over rounds of (variant - baseline of the same
+round), and the difference of the fastest rounds. Wall time on a shared machine moves by more
+than the hook costs; the CPU minimum is the steadiest figure. Two machine-independent counts
+follow, from one untimed pass under `sys.setprofile`: the Python calls (frames) each variant adds
+per step, and the hook's collective wrappers entered per step (`Work.wait` included), by which
+the added CPU of the collective timing (defaults minus `collectives=False`) is divided for its
+cost per wrapped call. Run:
 
-    .venv/bin/python bench/hook_overhead.py [--steps 100] [--rounds 40]
+    .venv/bin/python bench/hook_overhead.py [--stack ddp|fsdp2|pp] [--steps 100] [--rounds 25]
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ import ctypes
 import glob
 import os
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -123,10 +132,10 @@ class CpuSections:
 def loop(stack: Stack, batches: list[torch.Tensor], clip: bool,
          section: Section = _no_section) -> tuple[float, float]:
     """Run one pass over `batches`; return (CPU seconds, wall seconds). CPU is the process's,
-    except for the pipeline: there gloo's threads spin while a rank waits for its peer, and
-    their CPU follows the peer's timing, so the training thread's CPU is counted (the hook's
-    flusher thread, every 0.25 s, is then left out)."""
-    clock = time.thread_time if stack.schedule is not None else time.process_time
+    except on two ranks: there gloo's threads spin while a rank waits for its peer, and their
+    CPU follows the peer's timing, so the training thread's CPU is counted (the hook's flusher
+    thread, every 0.25 s, is then left out)."""
+    clock = time.thread_time if dist.get_world_size() > 1 else time.process_time
     cpu, wall = clock(), time.perf_counter()
     for x in batches:
         stack.forward_backward(x, section)
@@ -159,40 +168,82 @@ def peer_sections() -> tuple[str, Section | None]:
             lambda name: straggler.Detector.detection_section(name, profile_cuda=False))
 
 
-def run_variant(stack: Stack, batches: list[torch.Tensor], clip: bool,
-                variant: dict[str, Any]) -> float:
-    """CPU seconds per step of the shared model under one variant. The watch is opened before
-    and closed after the timed loop: it leaves nothing behind (DDP keeps its own all-reduce),
-    so one model serves every variant and model-to-model differences do not enter."""
+def _opened(stack: Stack, variant: dict[str, Any]) -> contextlib.AbstractContextManager[Any]:
     options = variant.get("watch")
-    section = variant.get("section", _no_section)
-    context = robust_metrics.watch(stack.watched, stack.optimizer, **options) if options else \
+    return robust_metrics.watch(stack.watched, stack.optimizer, **options) if options else \
         contextlib.nullcontext()
-    with context:
+
+
+def run_variant(stack: Stack, batches: list[torch.Tensor], clip: bool,
+                variant: dict[str, Any]) -> tuple[float, float]:
+    """(CPU, wall) seconds per step of the shared model under one variant. The watch is opened
+    before and closed after the timed loop: it leaves nothing behind (DDP keeps its own
+    all-reduce), so one model serves every variant and model-to-model differences do not enter."""
+    section = variant.get("section", _no_section)
+    with _opened(stack, variant):
         loop(stack, batches[:5], clip, section)  # the watch's first steps: untimed
-        return loop(stack, batches, clip, section)[0] / len(batches)
+        cpu, wall = loop(stack, batches, clip, section)
+    return cpu / len(batches), wall / len(batches)
+
+
+_WRAPPERS = ("wrapper", "wait", "issue", "wait_tensor", "wait_event", "wait_stream")
+
+
+def count_calls(stack: Stack, batches: list[torch.Tensor], clip: bool,
+                variant: dict[str, Any]) -> tuple[float, float]:
+    """(Python calls, wrapped collective calls) per step under one variant, counted with
+    `sys.setprofile` over `batches` on this thread: the same on any machine."""
+    section = variant.get("section", _no_section)
+    folder = os.path.join("robust_metrics", "hooks", "collectives")
+    calls = wrapped = 0
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        nonlocal calls, wrapped
+        if event == "call":
+            calls += 1
+            code = frame.f_code
+            if code.co_name in _WRAPPERS and folder in code.co_filename:
+                wrapped += 1
+
+    with _opened(stack, variant):
+        loop(stack, batches[:5], clip, section)
+        sys.setprofile(profile)
+        try:
+            loop(stack, batches, clip, section)
+        finally:
+            sys.setprofile(None)
+    return calls / len(batches), wrapped / len(batches)
 
 
 def measure(variants: dict[str, dict[str, Any]], clip: bool, steps: int, rounds: int,
             kind: str = "ddp") -> tuple[dict[str, dict[str, float]], float]:
-    """Interleaved rounds; returns per variant the added CPU per step, and the baseline step."""
+    """Interleaved rounds; returns per variant the added CPU and wall per step (median of paired
+    rounds, and fastest minus fastest), the Python calls and wrapped collective calls it adds
+    per step, and the baseline's fastest CPU step."""
     generator = torch.Generator().manual_seed(0)  # the same batches on every rank
     batches = [torch.randn(64, 256, generator=generator) for _ in range(steps)]
     stack = make(kind)
     loop(stack, batches, clip)  # warm-up, outside the measurement
     names = list(variants)
-    cpu: dict[str, list[float]] = {n: [] for n in names}
+    counted = {name: count_calls(stack, batches[:20], clip, variants[name]) for name in names}
+    times: dict[str, list[tuple[float, float]]] = {n: [] for n in names}
     for r in range(rounds):
         order = names[r % len(names):] + names[:r % len(names)]
         for name in order:
-            cpu[name].append(run_variant(stack, batches, clip, variants[name]))
-    base = cpu["baseline"]
+            times[name].append(run_variant(stack, batches, clip, variants[name]))
+    base = times["baseline"]
     out = {}
     for name in names[1:]:
-        paired = [v - b for v, b in zip(cpu[name], base, strict=True)]
-        out[name] = {"median_us": 1e6 * statistics.median(paired),
-                     "min_us": 1e6 * (min(cpu[name]) - min(base))}
-    return out, min(base)
+        row: dict[str, float] = {}
+        for i, clock in enumerate(("cpu", "wall")):
+            paired = [v[i] - b[i] for v, b in zip(times[name], base, strict=True)]
+            row[f"{clock}_median_us"] = 1e6 * statistics.median(paired)
+            row[f"{clock}_min_us"] = 1e6 * (min(v[i] for v in times[name]) -
+                                            min(b[i] for b in base))
+        row["calls"] = counted[name][0] - counted["baseline"][0]
+        row["wrapped"] = counted[name][1]
+        out[name] = row
+    return out, min(b[0] for b in base)
 
 
 def section_costs(sections: dict[str, Section]) -> dict[str, float]:
@@ -278,12 +329,14 @@ def callback_costs() -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--rounds", type=int, default=40)
+    parser.add_argument("--rounds", type=int, default=25, help="interleaved rounds (>= 21)")
     parser.add_argument("--stack", choices=("ddp", "fsdp2", "pp"), default="ddp")
     args = parser.parse_args()
+    if args.rounds < 21 or args.steps < 20:
+        parser.error("--rounds must be at least 21 and --steps at least 20")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29591")
-    if args.stack == "pp":  # two ranks, one stage each
+    if args.stack != "ddp":  # two ranks: one stage each, or FSDP2's shards
         import torch.multiprocessing as mp
 
         mp.spawn(run_rank, args=(2, args), nprocs=2, join=True)
@@ -313,21 +366,29 @@ def run_rank(rank: int, world: int, args: argparse.Namespace) -> None:
     if not report:
         dist.destroy_process_group()
         return
-    print(f"\n{args.stack}: baseline step (fastest round): {1e3 * base:.3f} ms CPU, "
+    clock = "training thread" if world > 1 else "process"
+    print(f"\n{args.stack}: baseline step (fastest round): {1e3 * base:.3f} ms CPU ({clock}), "
           f"{args.rounds} interleaved rounds of {args.steps} steps, clip_grad_norm_ on, "
           "multiprocess backend")
-    print("| variant | added CPU per step, median of paired rounds | fastest round minus "
-          "fastest baseline | of the step |\n|---|---|---|---|")
+    print("| variant | added CPU per step, median / min | added wall per step, median / min "
+          "| Python calls added per step | wrapped collective calls per step |\n"
+          "|---|---|---|---|---|")
     for name, r in results.items():
-        print(f"| {name} | {r['median_us']:.1f} µs | {r['min_us']:.1f} µs | "
-              f"{100 * r['median_us'] * 1e-6 / base:.2f}% |")
+        print(f"| {name} | {r['cpu_median_us']:.1f} / {r['cpu_min_us']:.1f} µs | "
+              f"{r['wall_median_us']:.1f} / {r['wall_min_us']:.1f} µs | {r['calls']:.1f} | "
+              f"{r['wrapped']:.1f} |")
     peer_key = peer_name if peer is not None else "CPU sections (perf_counter)"
-    peer_us = results[peer_key]["median_us"]
-    if peer_us > 0:
-        print(f"\nhook defaults / peer ({peer_key}): "
-              f"{results['hook, defaults']['median_us'] / peer_us:.2f}x")
-    else:
-        print(f"\npeer ({peer_key}) below this run's noise: no ratio")
+    hook, off, peer_row = (results["hook, defaults"], results["hook, collectives=False"],
+                           results[peer_key])
+    for stat in ("median", "min"):
+        key = f"cpu_{stat}_us"
+        print(f"hook defaults minus peer ({peer_key}), {stat}: {hook[key] - peer_row[key]:+.1f} µs"
+              " CPU per step")
+    if hook["wrapped"]:
+        for stat in ("median", "min"):
+            key = f"cpu_{stat}_us"
+            print(f"collective timing per wrapped call (defaults minus collectives=False), "
+                  f"{stat}: {(hook[key] - off[key]) / hook['wrapped']:.2f} µs CPU")
     if args.stack != "ddp":
         dist.destroy_process_group()
         return

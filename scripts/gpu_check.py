@@ -15,6 +15,13 @@ Runs each check in its own process with a time limit and prints a verdict table:
 | pp | the same with a 2-stage GPipe pipeline (P2P works waited on the compute stream) |
 | selftest | `selftest --quick`: compute on the GPU, bit-identical across repeats; NVML health passes |
 
+On request (`--only cost`, not in the default run, which stays within 5 minutes):
+
+| check | what it measures |
+|---|---|
+| cost | the hook's CPU and wall time per step of a 1-rank NCCL DDP loop against the same loop |
+| | unwatched, without and with `TORCH_NCCL_ENABLE_TIMING=1` (one process each) |
+
 Exit status 0 when every check passes, 1 when one fails, 2 when there is no GPU (nothing ran).
 Needs a CUDA build of torch and NCCL; 1 GPU runs every check but `fsdp2` and `pp`, which need 2
 (one NCCL rank per GPU) and are SKIP with fewer. At most about 5 minutes in all (the limits below).
@@ -36,6 +43,8 @@ from pathlib import Path
 from typing import Any
 
 CHECKS = ("nvml", "events", "nccl", "nosync", "streams", "fsdp2", "pp", "selftest")
+ON_REQUEST = ("cost",)  # run with --only: beyond the default run's 5 minutes
+COST_LIMIT = 60  # seconds for the cost check: two processes of ~15 s each, start-up included
 # seconds per check, start-up included: 295 s in all
 LIMITS = {"nvml": 20, "events": 35, "nccl": 35, "nosync": 40, "streams": 40, "fsdp2": 50, "pp": 50,
           "selftest": 25}
@@ -136,6 +145,19 @@ def judge_straggler(check: str, computes: list[float], slow: int, errors: float,
     detail = (f"compute ratios {', '.join(f'{x:.2f}' for x in ratios)} (rank {slow} slowed "
               f"1.3x), steps {steps}, hook errors {errors:.0f}")
     return Verdict(check, "PASS" if ok else "FAIL", detail)
+
+
+def judge_cost(plain: dict[str, float], timed: dict[str, float]) -> Verdict:
+    """The hook's added CPU per step (median of paired rounds) on a GPU DDP step, without
+    `TORCH_NCCL_ENABLE_TIMING` (the default, which must stay cheap: at most 100 µs and 5% of
+    the step) and with it, whose own cost is the unwatched step's difference between the two."""
+    added = plain["hook_cpu_us"]
+    ok = added <= min(100.0, 0.05 * plain["base_wall_us"])
+    detail = (f"hook adds {added:.0f} µs CPU, {plain['hook_wall_us']:+.0f} µs wall per "
+              f"{plain['base_wall_us'] / 1e3:.2f} ms step without TORCH_NCCL_ENABLE_TIMING; "
+              f"{timed['hook_cpu_us']:.0f} µs CPU, {timed['hook_wall_us']:+.0f} µs wall with it; "
+              f"the unwatched step with it {timed['base_wall_us'] / 1e3:.2f} ms")
+    return Verdict("cost", "PASS" if ok else "FAIL", detail)
 
 
 def table(verdicts: list[Verdict]) -> str:
@@ -429,18 +451,90 @@ def check_selftest() -> Verdict:
     return judge_selftest(json.loads(lines[-1]))
 
 
+def cost_rounds(timing: bool, rounds: int = 9, steps: int = 30) -> dict[str, float]:
+    """One process of the cost check: a 1-rank NCCL DDP loop, watched and unwatched (two copies
+    of one model, the watch open throughout: NCCL's completion hook cannot be registered twice
+    on a group), in interleaved rounds; medians of paired rounds, in µs per step."""
+    if timing:
+        os.environ["TORCH_NCCL_ENABLE_TIMING"] = "1"  # read when the process group is made
+    else:
+        os.environ.pop("TORCH_NCCL_ENABLE_TIMING", None)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29596" if timing else "29595")
+    import copy
+
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import robust_metrics
+
+    dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    try:
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)]).cuda()
+        loops = {}
+        for name in ("base", "hook"):
+            model = DDP(copy.deepcopy(net))
+            loops[name] = (model, torch.optim.SGD(model.parameters(), lr=1e-4))
+        x = torch.randn(256, 1024, device="cuda")
+
+        def run(name: str, count: int) -> tuple[float, float]:
+            model, optimizer = loops[name]
+            torch.cuda.synchronize()
+            cpu, wall = time.process_time(), time.perf_counter()
+            for _ in range(count):
+                model(x).pow(2).mean().backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+            return (time.process_time() - cpu) / count, (time.perf_counter() - wall) / count
+
+        hook_model, hook_optimizer = loops["hook"]
+        with robust_metrics.watch(hook_model, hook_optimizer, backend="null", run="gpu-check"):
+            run("base", 10)
+            run("hook", 10)
+            times: dict[str, list[tuple[float, float]]] = {"base": [], "hook": []}
+            for r in range(rounds):
+                for name in (("base", "hook") if r % 2 else ("hook", "base")):
+                    times[name].append(run(name, steps))
+        paired = list(zip(times["hook"], times["base"], strict=True))
+        return {"hook_cpu_us": 1e6 * statistics.median(h[0] - b[0] for h, b in paired),
+                "hook_wall_us": 1e6 * statistics.median(h[1] - b[1] for h, b in paired),
+                "base_wall_us": 1e6 * statistics.median(b[1] for b in times["base"])}
+    finally:
+        dist.destroy_process_group()
+
+
+def check_cost() -> Verdict:
+    results = []
+    for timing in ("0", "1"):
+        done = subprocess.run([sys.executable, __file__, "--cost-rounds", timing],
+                              capture_output=True, text=True, timeout=COST_LIMIT / 2 - 2)
+        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+        if not lines:
+            tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+            return Verdict("cost", "FAIL", f"TORCH_NCCL_ENABLE_TIMING={timing}: exit "
+                                           f"{done.returncode}: {tail}")
+        results.append(json.loads(lines[-1]))
+    return judge_cost(*results)
+
+
 RUNNERS: dict[str, Callable[[], Verdict]] = {
     "nvml": check_nvml, "events": check_events, "nccl": check_nccl, "nosync": check_nosync,
-    "streams": check_streams, "fsdp2": check_fsdp2, "pp": check_pp, "selftest": check_selftest}
+    "streams": check_streams, "fsdp2": check_fsdp2, "pp": check_pp, "selftest": check_selftest,
+    "cost": check_cost}
 
 
 def run_one(name: str) -> Verdict:
     """One check in a child process, so a hang or a crash costs that check only."""
     try:
+        limit = LIMITS.get(name, COST_LIMIT)
         done = subprocess.run([sys.executable, __file__, "--one", name], capture_output=True,
-                              text=True, timeout=LIMITS[name])
+                              text=True, timeout=limit)
     except subprocess.TimeoutExpired:
-        return Verdict(name, "FAIL", f"no answer within {LIMITS[name]} s")
+        return Verdict(name, "FAIL", f"no answer within {limit} s")
     for line in reversed(done.stdout.splitlines()):
         if line.startswith("{"):
             return Verdict(**json.loads(line))
@@ -450,9 +544,13 @@ def run_one(name: str) -> Verdict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--one", choices=CHECKS, help=argparse.SUPPRESS)
-    parser.add_argument("--only", nargs="*", choices=CHECKS, default=list(CHECKS))
+    parser.add_argument("--one", choices=CHECKS + ON_REQUEST, help=argparse.SUPPRESS)
+    parser.add_argument("--cost-rounds", choices=("0", "1"), help=argparse.SUPPRESS)
+    parser.add_argument("--only", nargs="*", choices=CHECKS + ON_REQUEST, default=list(CHECKS))
     args = parser.parse_args(argv)
+    if args.cost_rounds:
+        print(json.dumps(cost_rounds(args.cost_rounds == "1")), flush=True)
+        return 0
     if args.one:
         try:
             verdict = RUNNERS[args.one]()

@@ -124,3 +124,17 @@ def test_every_check_passes_on_a_gpu(check: str) -> None:
     if verdict.verdict == "SKIP":  # fsdp2 and pp with fewer than 2 GPUs
         pytest.skip(verdict.detail)
     assert verdict.verdict == "PASS", verdict.detail
+
+
+def test_the_cost_row_passes_only_a_cheap_default_and_reports_both_modes() -> None:
+    def mode(cpu: float, wall: float, step: float) -> dict[str, float]:
+        return {"hook_cpu_us": cpu, "hook_wall_us": wall, "base_wall_us": step}
+
+    cheap = gpu_check.judge_cost(mode(40.0, 30.0, 2000.0), mode(60.0, 45.0, 2600.0))
+    assert cheap.verdict == "PASS"
+    assert "40 µs CPU" in cheap.detail and "60 µs CPU" in cheap.detail and "2.60 ms" in cheap.detail
+    assert gpu_check.judge_cost(mode(150.0, 30.0, 10000.0), mode(60.0, 45.0, 10000.0)).verdict \
+        == "FAIL"  # over 100 µs
+    assert gpu_check.judge_cost(mode(60.0, 30.0, 1000.0), mode(60.0, 45.0, 1000.0)).verdict \
+        == "FAIL"  # over 5% of a 1 ms step
+    assert "cost" not in gpu_check.CHECKS and "cost" in gpu_check.ON_REQUEST  # not in 5 minutes

@@ -3,10 +3,13 @@ CUDA-event source faked at `torch.cuda.Event` (no GPU here; tests/gpu_sim.py pro
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -329,3 +332,52 @@ def test_a_cuda_model_is_timed_by_events_that_see_a_slow_kernel() -> None:
         assert summary.count >= 12
         # every step but the first (timed by the host: no start event) holds the slow kernel
         assert summary.sum >= 0.8 * slow * (summary.count - 1)
+
+
+def _frames(run: Callable[[], None], count: int, where: tuple[str, ...] = ()) -> float:
+    """Python frames entered per `run()` (those in files under `where` only, when given)."""
+    frames = 0
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        nonlocal frames
+        if event == "call" and (not where or any(w in frame.f_code.co_filename for w in where)):
+            frames += 1
+
+    sys.setprofile(profile)
+    try:
+        for _ in range(count):
+            run()
+    finally:
+        sys.setprofile(None)
+    return frames / count
+
+
+def test_ddp_reduction_timing_costs_at_most_eleven_python_calls_a_step(gloo: None) -> None:
+    """The DDP window (last gradient ready to backward's return) is timed every step in a few
+    Python calls: the post-accumulate-grad hook, two final callbacks, the tracker and the step
+    timer (21 before they were bound once and the host marks became perf_counter itself)."""
+    model, optimizer = ddp_model()
+    with robust_metrics.watch(model, optimizer, backend="null", run="t") as handle:
+        for _ in range(3):
+            step(model, optimizer)
+        calls = _frames(lambda: step(model, optimizer), 10,
+                        (os.path.join("hooks", "collectives"), os.path.join("hooks", "timing.py")))
+        stats, entered, completed = handle.tracker.snapshot()
+    assert calls <= 11, calls  # with the forward pre-hook's compiling() check
+    assert stats[("all_reduce", "default_pg")].count == completed["default_pg"] == 13
+    assert entered["default_pg"] == 13 and stats[("all_reduce", "default_pg")].seconds > 0
+
+
+def test_a_wrapped_sync_collective_costs_at_most_sixteen_python_calls(gloo: None) -> None:
+    """Counted, sized, timed as blocked and completed in about half the Python calls it took
+    when the group's label was recomputed and three locks taken per call (30)."""
+    payload = torch.ones(64)
+    plain = _frames(lambda: dist.all_reduce(payload), 20)
+    model, optimizer = ddp_model()
+    with robust_metrics.watch(model, optimizer, backend="null", run="t") as handle:
+        dist.all_reduce(payload)
+        hooked = _frames(lambda: dist.all_reduce(payload), 20)
+        stats, _, completed = handle.tracker.snapshot()
+    assert hooked - plain <= 16, (hooked, plain)
+    assert stats[("all_reduce", "default_pg")].count == completed["default_pg"] == 21
+    assert stats[("all_reduce", "default_pg")].bytes == 21 * 64 * 4

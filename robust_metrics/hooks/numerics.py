@@ -49,6 +49,8 @@ class Numerics:
         # would be scraped as a loss and drag the spike baselines down.
         self._nonfinite_loss = store.series(schema.NONFINITE_LOSS)
         self._nonfinite_grad = store.series(schema.NONFINITE_GRAD)
+        self._loss: Any = None  # robust_loss and robust_grad_norm once created (kept: per step)
+        self._grad_norm_series: Any = None
 
     def install(self, optimizer: Any, model: Any) -> None:
         """`optimizer`: the torch optimizer itself (unwrapped from a framework's), or None (also
@@ -165,16 +167,20 @@ class Numerics:
         self.reader.poll()
 
     def _record_loss(self, value: float, step: int, batch: int | None = None) -> None:
-        self.store.series(schema.LOSS, initial=value).set(value)
-        if not is_finite(value):
+        if self._loss is None:
+            self._loss = self.store.series(schema.LOSS, initial=value)
+        self._loss.set(value)
+        if not math.isfinite(value):
             self._nonfinite_loss.inc()
             self._first_nonfinite(step, batch)
         elif self._loss_spikes.update(value):  # created at the first spike: no series budget
             self.store.series(schema.LOSS_SPIKES).inc()
 
     def _record_grad_norm(self, value: float, step: int, batch: int | None = None) -> None:
-        self.store.series(schema.GRAD_NORM, initial=value).set(value)
-        if not is_finite(value):
+        if self._grad_norm_series is None:
+            self._grad_norm_series = self.store.series(schema.GRAD_NORM, initial=value)
+        self._grad_norm_series.set(value)
+        if not math.isfinite(value):
             self._nonfinite_grad.inc()
             self._first_nonfinite(step, batch)
         elif self._grad_norm_spikes.update(value):
@@ -298,7 +304,7 @@ class SpikeDetector:
 
     def update(self, value: float) -> bool:
         """Fold `value` in; True when it is a spike."""
-        if not is_finite(value):
+        if not math.isfinite(value):
             return False
         if self.seen >= self.warmup:
             bar = self.mean + self.sigmas * math.sqrt(self.var) + self.relative * abs(self.mean)
@@ -352,7 +358,3 @@ def grad_norm_tensor(parameters: list[Any]) -> Any | None:
         return norms[0]
     first = norms[0].device
     return torch.linalg.vector_norm(torch.stack([n.to(first, non_blocking=True) for n in norms]))
-
-
-def is_finite(value: float) -> bool:
-    return not (math.isnan(value) or math.isinf(value))

@@ -44,6 +44,9 @@ def group_label(group: Any) -> str:
 
 def payload_bytes(value: Any) -> int:
     """Bytes of a tensor or a (nested) list of tensors; 0 for anything else."""
+    nbytes = getattr(value, "nbytes", None)  # a tensor's numel x element size, in one lookup
+    if type(nbytes) is int:
+        return nbytes
     if hasattr(value, "element_size") and hasattr(value, "numel"):
         return int(value.numel()) * int(value.element_size())
     if isinstance(value, list | tuple):

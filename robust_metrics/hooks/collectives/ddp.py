@@ -8,6 +8,7 @@ final callback, and `DdpReducer` reports them to the tracker as one all-reduce p
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -46,10 +47,11 @@ class DdpReducer:
     def install(self, tracker: CollectiveTracker) -> None:
         group = group_label(self.model.process_group)
         tracker.watch_group(self.model.process_group)  # NCCL: its buckets by completion hook
+        # partials, not lambdas: no Python frame of their own in the step's path
         probe = DdpProbe(self.model, tracker.timer, on_error=self.on_error,
-                         on_launch=lambda: tracker.ddp_launch(group),
-                         on_window=lambda ready, end: tracker.ddp_reduction(
-                             group, probe.nbytes, ready, end))
+                         on_launch=functools.partial(tracker.ddp_launch, group),
+                         on_window=None)
+        probe.on_window = functools.partial(tracker.ddp_reduction, group, probe.nbytes)
         probe.install()
         self.probe = probe
 
@@ -72,7 +74,7 @@ class DdpProbe:
     """
 
     def __init__(self, model: Any, timer: StepTimer,
-                 on_window: Callable[[Mark, Mark], None],
+                 on_window: Callable[[Mark, Mark], None] | None,
                  on_error: Callable[[str, BaseException], None],
                  on_launch: Callable[[], None] | None = None) -> None:
         from torch.autograd import Variable
@@ -80,7 +82,7 @@ class DdpProbe:
         self._queue = Variable._execution_engine.queue_callback
         self._model = model
         self._timer = timer
-        self._on_window = on_window
+        self.on_window = on_window  # None: set before the first backward
         self._on_launch = on_launch
         self._on_error = on_error
         ignored = set(getattr(model, "parameters_to_ignore", ()) or ())
@@ -110,19 +112,25 @@ class DdpProbe:
                          for i, p in enumerate(self._params)]
 
     def _hook(self, index: int) -> Callable[[Any], None]:
+        # Runs once per step (after the first backward, only the watched parameter is hooked):
+        # what it reads is bound here, and the common case takes one branch.
+        model, timer, on_launch = self._model, self._timer, self._on_launch
+
         def on_grad(param: Any) -> None:
             try:
+                # False under DDP's no_sync(): that backward reduces nothing
+                syncing = getattr(model, "require_backward_grad_sync", True)
                 if self.watched is None:
-                    if not self._order and self._on_launch is not None and self._syncing():
+                    if not self._order and on_launch is not None and syncing:
                         # The backward that finds the last-ready parameter: the reduction is
                         # entered with the first gradient, so that a rank waiting in the first
                         # step's reduction is told from a rank that never reached it.
-                        self._on_launch()
+                        on_launch()
                     self._order.append(index)
-                elif self._on_launch is not None and self._syncing():
-                    self._on_launch()  # DDP launches its last bucket now: entered, not done
+                elif on_launch is not None and syncing:
+                    on_launch()  # DDP launches its last bucket now: entered, not done
                 self._fired = True
-                self._timer.grad_ready()
+                timer.grad_ready()
                 if not self._queued:
                     self._queued = True
                     self._queue(self._requeue)
@@ -146,14 +154,11 @@ class DdpProbe:
             window = self._timer.backward_end()
             if self.watched is None and self._order:
                 self._keep(self._order[-1])
-            if window is not None and self._syncing():
-                self._on_window(*window)
+            if (window is not None and self.on_window is not None
+                    and getattr(self._model, "require_backward_grad_sync", True)):
+                self.on_window(*window)
         except Exception as exc:
             self._on_error("ddp_timing", exc)
-
-    def _syncing(self) -> bool:
-        """False under DDP's no_sync(): that backward reduces nothing."""
-        return bool(getattr(self._model, "require_backward_grad_sync", True))
 
     def _keep(self, index: int) -> None:
         """After the first backward, only the last-ready parameter stays hooked."""

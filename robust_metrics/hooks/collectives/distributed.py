@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 import robust_metrics.hooks.collectives.common as common
-from robust_metrics.hooks.collectives.common import argument, compiling, group_label, payload_bytes
+from robust_metrics.hooks.collectives.common import argument, compiling, payload_bytes
 from robust_metrics.hooks.collectives.tracker import CollectiveTracker
 from robust_metrics.hooks.patches import Patches
 
@@ -78,24 +78,32 @@ def wrap_call(tracker: CollectiveTracker, fn_name: str, op: str,
     group_at, async_at = index("group"), index("async_op")
     peer_at = {name: index(name) for name in _PEER_ARGUMENTS} if op in ("send", "recv") else {}
 
+    labels, scope = tracker.labels, tracker.calls  # looked up once: this runs per collective
+    pairs: dict[tuple[str, int], str] = {}  # (group, peer) -> its pair label, per wrapper
+
     @functools.wraps(original)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if tracker.closed or tracker.calls.inside or compiling():
+        if tracker.closed or scope.depth or compiling():
             return original(*args, **kwargs)
         try:
             pg = argument(args, kwargs, "group", group_at)
-            if id(pg) not in tracker.seen_groups:
-                tracker.watch_group(pg)
-            group = group_label(pg)
+            group = labels.get(id(pg)) or tracker.label(pg)
             peer = _peer(pg, args, kwargs, peer_at) if peer_at else None
-            counted = _pair_label(group, peer) if peer is not None else None
+            counted = None
+            if peer is not None:
+                counted = pairs.get((group, peer))
+                if counted is None:
+                    counted = pairs[(group, peer)] = _pair_label(group, peer)
             launch = tracker.enter(op, group, payload_bytes(args[0]) if args else 0,
                                    counted, peer)
         except Exception as exc:  # accounting must never break the collective
             tracker.on_error("collectives", exc)
             return original(*args, **kwargs)
-        with tracker.calls:
+        scope.depth += 1
+        try:
             result = original(*args, **kwargs)
+        finally:
+            scope.depth -= 1
         try:
             if result is None or not (always_async or argument(args, kwargs, "async_op",
                                                                async_at)):

@@ -66,9 +66,11 @@ def _wrap_issue(tracker: CollectiveTracker, op: str,
                 original: Callable[..., Any]) -> Callable[..., Any]:
     group_at, tag_at = common.parameter_index(original, "group"), common.parameter_index(original, "tag")
 
+    scope = tracker.calls  # looked up once: this runs per collective
+
     @functools.wraps(original)
     def issue(*args: Any, **kwargs: Any) -> Any:
-        if tracker.closed or tracker.calls.inside or compiling():
+        if tracker.closed or scope.depth or compiling():
             return original(*args, **kwargs)
         try:
             group = group_of(argument(args, kwargs, "group", group_at),
@@ -77,8 +79,11 @@ def _wrap_issue(tracker: CollectiveTracker, op: str,
         except Exception as exc:
             tracker.on_error("collectives", exc)
             return original(*args, **kwargs)
-        with tracker.calls:
+        scope.depth += 1
+        try:
             result = original(*args, **kwargs)
+        finally:
+            scope.depth -= 1
         try:
             keys = [_storage_key(t) for t in (result if isinstance(result, list | tuple)
                                               else [result])]
@@ -96,13 +101,18 @@ def _wrap_issue(tracker: CollectiveTracker, op: str,
 
 
 def _wrap_wait(tracker: CollectiveTracker, original: Callable[..., Any]) -> Callable[..., Any]:
+    scope = tracker.calls  # looked up once: this runs per wait
+
     @functools.wraps(original)
     def wait_tensor(tensor: Any) -> Any:
-        if tracker.closed or tracker.calls.inside or compiling():
+        if tracker.closed or scope.depth or compiling():
             return original(tensor)
         begin = tracker.timer.mark()
-        with tracker.calls:
+        scope.depth += 1
+        try:
             result = original(tensor)
+        finally:
+            scope.depth -= 1
         tracker.guarded(_waited, tracker, tensor, begin)
         return result
 

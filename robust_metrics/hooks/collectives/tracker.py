@@ -30,7 +30,7 @@ __all__ = ["CollectiveTracker", "Launch"]
 log = logging.getLogger("robust_metrics.hooks.collectives")
 
 
-@dataclass
+@dataclass(slots=True)
 class Launch:
     """One collective entered: its kind, group, host start, timer mark, and whether counted done."""
 
@@ -107,6 +107,9 @@ class CollectiveTracker:
         self._groups_timed_by_hook: dict[str, tuple[Any, int]] = {}  # group -> (pg, seq at attach)
         self.closed = False
         self.seen_groups: set[int] = set()
+        # id of a process group (None: the default) -> its label, set at its first use: the
+        # wrappers' hot path reads it with one dict lookup (`label()` fills it)
+        self.labels: dict[int, str] = {}
         self._ddp_launched = False
         self.calls = _CallScope()
         self.pending = _Pending()
@@ -129,6 +132,16 @@ class CollectiveTracker:
                 self.attach_nccl_completion_hook(pg)
             except Exception as exc:  # e.g. a hook of the user's own is registered already
                 log.info("robust-metrics: NCCL group %s not timed: %s", group_label(pg), exc)
+
+    def label(self, group: Any) -> str:
+        """The label of `group` (None: the default group), watched at its first use."""
+        key = id(group)
+        label = self.labels.get(key)
+        if label is None:
+            if key not in self.seen_groups:
+                self.watch_group(group)
+            label = self.labels[key] = group_label(group)
+        return label
 
     # -- accounting ------------------------------------------------------------------------
     def launch(self, op: str, group: str, nbytes: int, counted: str | None = None) -> float:
@@ -191,7 +204,7 @@ class CollectiveTracker:
                     stats = self.stats[("all_reduce", group)] = _Stats()
                 stats.bytes += nbytes
             return
-        with self._lock:
+        with self._lock:  # entered (when not yet), bytes and completion under one lock
             launched, self._ddp_launched = self._ddp_launched, False
             if not launched:  # the first backward, which found the parameter to watch
                 self.entered[group] = self.entered.get(group, 0) + 1
@@ -199,7 +212,9 @@ class CollectiveTracker:
             if stats is None:
                 stats = self.stats[("all_reduce", group)] = _Stats()
             stats.bytes += nbytes
-        self.record_completion("all_reduce", group, max(0.0, end - ready))
+            stats.count += 1
+            stats.seconds += max(0.0, end - ready)
+            self.completed[group] = self.completed.get(group, 0) + 1
 
     def snapshot(self) -> tuple[dict[tuple[str, str], _Stats], dict[str, int], dict[str, int]]:
         with self._lock:
@@ -241,12 +256,22 @@ class CollectiveTracker:
         self.settle(launch)
 
     def settle(self, launch: Launch) -> None:
-        """Count `launch` completed, once, with the host time since it was entered."""
+        """Count `launch` completed, once, with the host time since it was entered (what
+        `complete` does, under the one lock: this runs once per collective)."""
+        seconds = time.perf_counter() - launch.started
+        group = launch.group
         with self._lock:
             if launch.done:
                 return
             launch.done = True
-        self.complete(launch.op, launch.group, launch.started, launch.counted)
+            if group not in self._groups_timed_by_hook:  # else: the completion hook counts it
+                key = launch.counted or group
+                self.completed[key] = self.completed.get(key, 0) + 1
+                stats = self.stats.get((launch.op, group))
+                if stats is None:
+                    stats = self.stats[(launch.op, group)] = _Stats()
+                stats.count += 1
+                stats.seconds += seconds
         if self.on_span is not None:
             self.on_span(launch.op, launch.peer, launch.begin, self.timer.mark())
 
@@ -283,8 +308,10 @@ class CollectiveTracker:
     def attach_nccl_completion_hook(self, pg: Any) -> bool:
         """On NCCL, durations come from the process group's completion hook, not futures.
 
-        Needs `TORCH_NCCL_ENABLE_TIMING=1` for device-side durations; returns False when the
-        process group has no such hook.
+        PyTorch registers it only under `TORCH_NCCL_ENABLE_TIMING=1` (else it raises, and the
+        group is accounted on the host: see the README for what that loses); the hook never sets
+        the variable, whose events cost NCCL/compute overlap. Returns False when the process
+        group has no such hook.
         """
         register = getattr(pg, "_register_on_completion_hook", None)
         if register is None:

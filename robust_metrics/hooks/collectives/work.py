@@ -33,14 +33,22 @@ class WorkWait(Patches):
 def wrap_wait(tracker: CollectiveTracker, original: Callable[..., Any]) -> Callable[..., Any]:
     """`Work.wait` for every work object: the time inside is blocked."""
 
+    scope = tracker.calls  # looked up once: this runs per wait
+
     @functools.wraps(original)
     def wait(work: Any, *args: Any, **kwargs: Any) -> Any:
-        if tracker.closed or tracker.calls.inside or compiling():
+        if tracker.closed or scope.depth or compiling():
             return original(work, *args, **kwargs)
         begin = tracker.timer.mark()
-        with tracker.calls:
+        scope.depth += 1
+        try:
             result = original(work, *args, **kwargs)
-        tracker.guarded(tracker.waited, id(work), begin)
+        finally:
+            scope.depth -= 1
+        try:
+            tracker.waited(id(work), begin)
+        except Exception as exc:
+            tracker.on_error("collectives", exc)
         return result
 
     return mark_wrapped(wait)
