@@ -21,8 +21,8 @@ import time
 from prometheus_client.mmap_dict import MmapedDict, mmap_key
 
 from robust_metrics import schema
+from robust_metrics.hooks.metric_store import MetricStore
 from robust_metrics.hooks.sinks import MultiprocessSink, _file_prefix
-from robust_metrics.hooks.store import MetricStore
 
 
 def make_store() -> MetricStore:

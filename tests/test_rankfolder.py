@@ -9,8 +9,8 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from robust_metrics import schema
+from robust_metrics.hooks.metric_store import MetricStore
 from robust_metrics.hooks.sinks import MultiprocessSink
-from robust_metrics.hooks.store import MetricStore
 from robust_metrics.rankfolder import (
     MetricFile,
     metric_key,

@@ -24,8 +24,8 @@ import pytest
 from starlette.testclient import TestClient
 
 from robust_metrics import cli, schema
+from robust_metrics.hooks.metric_store import MetricStore
 from robust_metrics.hooks.sinks import MultiprocessSink
-from robust_metrics.hooks.store import MetricStore
 from robust_metrics.rankfolder import control, metricfile, write_identity
 from robust_metrics.rankfolder.control import read_checkpoint_request_safely
 from robust_metrics.sidecar.cli import build

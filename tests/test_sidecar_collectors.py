@@ -22,8 +22,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import GaugeMetricFamily
 
 from robust_metrics import schema
+from robust_metrics.hooks.metric_store import MetricStore
 from robust_metrics.hooks.sinks import MultiprocessSink
-from robust_metrics.hooks.store import MetricStore
 from robust_metrics.rankfolder.identity import RankIdentity
 from robust_metrics.sidecar import proc_connector
 from robust_metrics.sidecar.collectors import process as process_collector
@@ -665,7 +665,7 @@ def test_a_dead_ranks_global_step_outlives_it_and_its_files(tmp_path: Path) -> N
         "import os, sys, time\n"
         "from robust_metrics import schema\n"
         "from robust_metrics.hooks.sinks import MultiprocessSink\n"
-        "from robust_metrics.hooks.store import MetricStore\n"
+        "from robust_metrics.hooks.metric_store import MetricStore\n"
         "store = MetricStore({'run': 'r', 'rank': '1'})\n"
         "sink = MultiprocessSink(sys.argv[1])\n"
         "for step in range(1, 10):\n"

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from robust_metrics import schema
+from robust_metrics.hooks.metric_store import MetricStore
 from robust_metrics.hooks.sinks import MultiprocessSink
-from robust_metrics.hooks.store import MetricStore
 from robust_metrics.rankfolder.identity import pid_of
 from robust_metrics.rankfolder.metricfile import CorruptFile, parse_name, read_entries
 from robust_metrics.sidecar.collectors.registry import ScrapeRegistry

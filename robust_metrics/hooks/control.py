@@ -16,8 +16,8 @@ from collections.abc import Callable
 from robust_metrics import schema
 from robust_metrics.hooks.config import WatchOptions
 from robust_metrics.hooks.guard import ErrorHandler, guard
+from robust_metrics.hooks.metric_store import MetricStore
 from robust_metrics.hooks.patches import Patches
-from robust_metrics.hooks.store import MetricStore
 from robust_metrics.rankfolder.control import ControlChannel
 
 __all__ = ["Control"]

@@ -6,8 +6,8 @@ from __future__ import annotations
 import threading
 
 from robust_metrics.hooks.guard import ErrorHandler
+from robust_metrics.hooks.metric_store import MetricStore
 from robust_metrics.hooks.sinks import MultiprocessSink, NullSink, Sink
-from robust_metrics.hooks.store import MetricStore
 
 __all__ = ["Flusher"]
 

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from robust_metrics import schema
-from robust_metrics.hooks.store import MetricStore
+from robust_metrics.hooks.metric_store import MetricStore
 
 __all__ = ["ErrorHandler", "HookErrors", "guard"]
 

@@ -21,8 +21,8 @@ from robust_metrics import schema
 from robust_metrics.hooks import frameworks
 from robust_metrics.hooks.config import WatchOptions
 from robust_metrics.hooks.guard import ErrorHandler, guard
+from robust_metrics.hooks.metric_store import MetricStore
 from robust_metrics.hooks.patches import Patches
-from robust_metrics.hooks.store import MetricStore
 
 __all__ = ["DeferredReader", "LossAccumulator", "Numerics", "SpikeDetector", "grad_norm_tensor",
            "local_tensor"]

@@ -23,7 +23,7 @@ from typing import Protocol
 from prometheus_client.metrics_core import Metric
 
 from robust_metrics import schema
-from robust_metrics.hooks.store import MetricStore, Sample, Series, families
+from robust_metrics.hooks.metric_store import MetricStore, Sample, Series, families
 from robust_metrics.rankfolder.metricfile import MetricFile, file_name, metric_key
 from robust_metrics.schema import MetricType
 

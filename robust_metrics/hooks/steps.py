@@ -23,8 +23,8 @@ from robust_metrics.hooks import frameworks
 from robust_metrics.hooks.collectives.common import compiling
 from robust_metrics.hooks.config import WatchOptions, valid_flops
 from robust_metrics.hooks.guard import ErrorHandler, guard
+from robust_metrics.hooks.metric_store import MetricStore
 from robust_metrics.hooks.patches import Patches
-from robust_metrics.hooks.store import MetricStore
 
 if TYPE_CHECKING:
     from robust_metrics.hooks.collectives.ddp import DdpProbe

@@ -34,11 +34,11 @@ from robust_metrics.hooks.config import WatchOptions
 from robust_metrics.hooks.control import Control
 from robust_metrics.hooks.flusher import Flusher
 from robust_metrics.hooks.guard import HookErrors, guard
+from robust_metrics.hooks.metric_store import MetricStore
 from robust_metrics.hooks.numerics import LossAccumulator, Numerics
 from robust_metrics.hooks.patches import Patches
 from robust_metrics.hooks.sinks import MultiprocessSink, NullSink, Sink, make_sink
 from robust_metrics.hooks.steps import StepHooks, unwrap_optimizer
-from robust_metrics.hooks.store import MetricStore
 from robust_metrics.rankfolder.identity import write_identity
 
 __all__ = ["Watch", "watch"]

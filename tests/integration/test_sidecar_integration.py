@@ -292,8 +292,8 @@ def test_a_rank_on_a_real_gpu_gets_that_gpus_peak(tmp_path: Path) -> None:
     from prometheus_client import CollectorRegistry
 
     from robust_metrics import schema
+    from robust_metrics.hooks.metric_store import MetricStore
     from robust_metrics.hooks.sinks import MultiprocessSink
-    from robust_metrics.hooks.store import MetricStore
     from robust_metrics.sidecar.collectors.nvml import NvmlCollector
     from robust_metrics.sidecar.collectors.registry import ScrapeRegistry
     from robust_metrics.sidecar.gpu_peaks import peak_flops

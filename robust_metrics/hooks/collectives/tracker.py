@@ -23,7 +23,7 @@ from robust_metrics.hooks.collectives.common import group_label
 from robust_metrics.hooks.timing import HostClock, StepTimer
 
 if TYPE_CHECKING:
-    from robust_metrics.hooks.store import MetricStore
+    from robust_metrics.hooks.metric_store import MetricStore
 
 __all__ = ["CollectiveTracker", "Launch"]
 
