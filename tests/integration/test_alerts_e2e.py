@@ -40,10 +40,11 @@ from tests.integration.alert_checks import (
     start_scraped_job,
     unexplained,
     wait_firing,
+    wait_steps,
     write_test_rules,
 )
 from tests.prometheus_fixture import PrometheusServer
-from tests.support import RankJob, free_port_block, require_binary, wait_until
+from tests.support import free_port_block, require_binary
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["one-group", "rank-shards-2"])
@@ -65,20 +66,10 @@ def setup(request: pytest.FixtureRequest,
         server.stop()
 
 
-def wait_stepping(prom: PrometheusServer, run: str, job: RankJob, timeout: float = 90) -> None:
-    def stepping() -> bool:
-        result = prom.query(f'count(robust_steps_total{{run="{run}"}} > 20)')
-        return bool(result) and float(result[0]["value"][1]) == WORLD
-    try:
-        wait_until(stepping, timeout=timeout, interval=0.5, message=f"{run}: 4 ranks stepping")
-    except AssertionError as exc:
-        raise AssertionError(f"{exc}\n{job.logs()}") from None
-
-
 def test_healthy_run_is_silent_then_a_stopped_rank_is_named(setup: dict[str, Any]) -> None:
     prom, run = setup["prom"], "healthy"
     with start_scraped_job(setup, run, []) as job:
-        wait_stepping(prom, run, job)
+        wait_steps(prom, run, job)
         # 25 s at 1/15 scale: over six minutes of production time, longer than every window
         # SlowRank and the spike baselines need; nothing may even be pending (`unexplained`).
         deadline = time.monotonic() + 25
