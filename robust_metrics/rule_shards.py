@@ -29,10 +29,7 @@ __all__ = ["MAX_SHARDS", "PER_RANK_RULES", "rank_regex", "shard_by_rank", "shard
 
 PER_RANK_RULES = frozenset({
     "run_rank:robust_rank_info:last",
-    "run_rank:robust_step_duration_seconds:mean5m",
     "run_rank:robust_step_age_seconds:max",
-    "run_rank:robust_step_compute_seconds:mean5m",
-    "run_rank:robust_step_compute_seconds:mean1m",
     "NonFiniteLoss",
 })
 """Rules computed rank by rank, with no comparison between ranks inside the expression, and

@@ -19,6 +19,7 @@ __all__ = [
     "PHASES",
     "RANK_INFO_LABELS",
     "RANK_LABELS",
+    "WINDOW_LABELS",
     "MetricSpec",
     "MetricType",
     "Source",
@@ -153,12 +154,35 @@ STEP_COMPUTE = _declare(
     "robust_step_compute_seconds", S,
     "Step time minus time blocked in collectives; the straggler signal.", unit="seconds",
 )
-STEP_COMPUTE_SQUARED = _declare(
-    "robust_step_compute_seconds_squared_total", C,
-    "Sum of the squares of robust_step_compute_seconds' observations (seconds squared). With that "
-    "summary's _sum and _count it gives each rank's step-to-step variance of compute, against "
-    "which the straggler rules test whether a rank is consistently slower than its peers.",
-    unit="seconds_squared",
+# Windows the hook keeps (hooks/windows.py): ready values the straggler and slow-rank rules
+# compare with instant selectors instead of deriving them from the summaries with rate().
+WINDOW_LABELS: tuple[str, ...] = (*RANK_LABELS, "window")
+STEP_COMPUTE_MEAN = _declare(
+    "robust_step_compute_mean_seconds", G,
+    "Mean compute time per step (robust_step_compute_seconds) of the steps that ended within "
+    "`window` (1m, 2m, 5m) before this rank's last step end, kept by the hook on the rank's "
+    "clock. Changes only at step ends: a hung rank's last value stays.",
+    labels=WINDOW_LABELS, unit="seconds",
+)
+STEP_DURATION_MEAN = _declare(
+    "robust_step_duration_mean_seconds", G,
+    "Mean wall time per step (robust_step_duration_seconds) of the steps that ended within "
+    "`window` (2m, 5m) before this rank's last step end. Minus robust_step_compute_mean_seconds "
+    "of the same window it is the time blocked in collectives per step.",
+    labels=WINDOW_LABELS, unit="seconds",
+)
+STEP_COMPUTE_VARIATION = _declare(
+    "robust_step_compute_variation_ratio", G,
+    "Coefficient of variation (standard deviation / mean) of compute time per step over the "
+    "steps that ended within `window` (1m) before this rank's last step end: the step-to-step "
+    "spread against which the straggler rules test whether a rank is consistently slower.",
+    labels=WINDOW_LABELS,
+)
+WINDOW_STEPS = _declare(
+    "robust_window_steps", G,
+    "Steps that ended within `window` (1m) before this rank's last step end: the sample size of "
+    "the window's means.",
+    labels=WINDOW_LABELS,
 )
 DATA_WAIT = _declare(
     "robust_data_wait_seconds", S,

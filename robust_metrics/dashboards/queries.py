@@ -47,10 +47,10 @@ def with_topology(expr: str) -> str:
 
 # Recording rules of alert_rules/ (`level:metric:operations`); tests check every name used here
 # against alert_rules/*.yml. They smooth over 5 minutes, as the alerts do.
-COMPUTE_RATIO = (f"run_rank:robust_step_compute_seconds:mean5m{{{RANKS}}} / on (run) group_left () "
-                 f"run:robust_step_compute_seconds:median5m{{{RUN}}}")
+COMPUTE_RATIO = (f"max without (window) (robust_step_compute_mean_seconds{{{RANKS}, window=\"5m\"}}"
+                 f" / on (run) group_left () run:robust_step_compute_seconds:median5m{{{RUN}}})")
 STEP_TIME_MEDIAN = f"run:robust_step_duration_seconds:median5m{{{RUN}}}"
-STEP_TIME_MAX = f"max by (run) (run_rank:robust_step_duration_seconds:mean5m{{{RUN}}})"
+STEP_TIME_MAX = f"max by (run) (robust_step_duration_mean_seconds{{{RUN}, window=\"5m\"}})"
 THROUGHPUT = f"run:robust_steps:rate5m{{{RUN}}}"
 SLOWDOWN = f"run:robust_straggler_slowdown:ratio5m{{{RUN}}}"
 ETTR_1H = f"run:robust_ettr:ratio1h{{{RUN}}}"

@@ -43,6 +43,14 @@ def _env_int(env: Mapping[str, str], *names: str, default: int) -> int:
     return default
 
 
+def _env_float(env: Mapping[str, str], name: str) -> float:
+    value = env[name]
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={value!r} is not a number") from None
+
+
 @dataclass
 class WatchOptions:
     """Resolved options of one `watch()` call. See `robust_metrics.watch` for their meaning."""
@@ -70,6 +78,7 @@ class WatchOptions:
     trace_steps: int = 1
     flops_per_step: float | Callable[[], float] | None = None
     batch_position: Callable[[], int] | None = None
+    time_scale: float = 1.0
 
     @classmethod
     def resolve(cls, env: Mapping[str, str] | None = None, **kwargs: Any) -> WatchOptions:
@@ -92,6 +101,8 @@ class WatchOptions:
         port = kwargs.pop("port", None)
         if port is None:
             port = _env_int(env, "ROBUST_METRICS_PORT", default=DEFAULT_PORT) + local_rank
+        if "time_scale" not in kwargs and env.get("ROBUST_METRICS_TIME_SCALE"):
+            kwargs["time_scale"] = _env_float(env, "ROBUST_METRICS_TIME_SCALE")
         options = cls(
             run=str(kwargs.pop("run", None) or resolve_run_id(env)),
             rank=kwargs.pop("rank", None) if "rank" in kwargs else _env_int(
@@ -143,6 +154,11 @@ class WatchOptions:
                 raise ValueError(f"topology[{key!r}]={value!r}: must be an integer >= 0")
         if self.trace_every and not self.trace_dir:
             raise ValueError("trace_every= needs trace_dir= (where sampled op traces go)")
+        scale = self.time_scale
+        if not isinstance(scale, int | float) or isinstance(scale, bool) or not scale > 0 \
+                or not math.isfinite(scale):
+            raise ValueError(f"time_scale={scale!r}: must be a number > 0 (the rules' "
+                             "--time-scale; 1 at production intervals)")
         if self.trace_steps < 1:
             raise ValueError(f"trace_steps={self.trace_steps!r}: must be >= 1")
         if self.batch_position is not None and not callable(self.batch_position):

@@ -25,6 +25,7 @@ from robust_metrics.hooks.config import WatchOptions, valid_flops
 from robust_metrics.hooks.guard import ErrorHandler, guard
 from robust_metrics.hooks.metric_store import MetricStore
 from robust_metrics.hooks.patches import Patches
+from robust_metrics.hooks.windows import StepWindows, WindowPublisher
 
 if TYPE_CHECKING:
     from robust_metrics.hooks.collectives.ddp import DdpProbe
@@ -35,8 +36,8 @@ __all__ = ["STEP_SERIES", "StepHooks", "unwrap_optimizer"]
 # The step's series, created first (`create_series`): sinks write series in the order they were
 # created, and the step's timestamp must be written before the phase (see Watch.__init__).
 STEP_SERIES = (schema.STEPS_TOTAL, schema.LAST_STEP_TIMESTAMP, schema.GLOBAL_STEP,
-               schema.START_STEP, schema.STEP_DURATION, schema.STEP_COMPUTE,
-               schema.STEP_COMPUTE_SQUARED, schema.DATA_WAIT, schema.GC_PAUSE)
+               schema.START_STEP, schema.STEP_DURATION, schema.STEP_COMPUTE, schema.DATA_WAIT,
+               schema.GC_PAUSE)
 
 
 class StepHooks:
@@ -70,8 +71,10 @@ class StepHooks:
         self._optimizer: Any = None
         self._patches = Patches()
         (self._steps, self._last_step_ts, self._global_step, self._start_step,
-         self._step_duration, self._step_compute, self._step_compute_squared, self._data_wait,
+         self._step_duration, self._step_compute, self._data_wait,
          self._gc_pause) = (store.series(spec) for spec in STEP_SERIES)
+        self.windows = StepWindows(options.time_scale)
+        store.on_read(WindowPublisher(store, self.windows).refresh)
         # Only with flops_per_step: a job that does not count FLOPs spends no series on it.
         self._model_flops = (store.series(schema.MODEL_FLOPS)
                              if options.flops_per_step is not None else None)
@@ -136,17 +139,18 @@ class StepHooks:
         now = time.perf_counter()
         started = self.last_step_end if self.last_step_end is not None else now
         duration = now - started
+        ended = time.time()
         for seconds, blocked in self.timed_steps(duration):  # on GPUs: earlier steps' events
             self._step_duration.observe(seconds)
             compute = max(0.0, seconds - blocked)
             self._step_compute.observe(compute)
-            self._step_compute_squared.inc(compute * compute)
+            self.windows.add(ended, seconds, compute)
         self._steps.inc()
         if self._model_flops is not None:
             self._count_flops()
         self.global_step += 1
         self._global_step.set(self.global_step)
-        self._last_step_ts.set(time.time())
+        self._last_step_ts.set(ended)
         self._end_numerics(self.global_step, self.skipping)
         self._check_control(now, self.global_step)
         self._flush()

@@ -339,7 +339,10 @@ def watch(model: Any = None, optimizer: Any = None, **options: Any) -> Watch:
         in the data (a sample offset, a shard and index folded into one int), called once per
         step; at the first non-finite value the hook publishes it as
         robust_nonfinite_first_batch beside robust_nonfinite_first_step, so the bad batch can
-        be found (default None: not called).
+        be found (default None: not called);
+      time_scale: the time scale of the rules that judge this job (`robust-metrics rules
+        --time-scale`), which scales the step windows the hook keeps for them (1m, 2m, 5m;
+        robust_metrics.hooks.windows). Default ROBUST_METRICS_TIME_SCALE or 1: production.
 
     Raises TypeError or ValueError for bad options; nothing raised later reaches the training loop.
     """
