@@ -583,6 +583,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--interval {args.interval:g}: must be in (0, 60] seconds")
     rule_file = folder / f"rules-{args.interval:g}s.yml"
     rule_file.write_text(rules.render(rules.load_groups(time_scale=args.interval / 15)))
+    # every rank started below keeps its step windows at the rules' time scale
+    os.environ["ROBUST_METRICS_TIME_SCALE"] = repr(args.interval / 15)
     results: list[Trial] = []
     started = time.time()
     side = sidecar(metrics, ["--node", NODE, "--path.sysfs", str(sysfs)],

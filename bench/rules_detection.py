@@ -110,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     interval_s = rules.parse_duration(args.interval) / 1000
     scale = interval_s / 15
+    os.environ["ROBUST_METRICS_TIME_SCALE"] = repr(scale)  # the ranks' windows, as the rules'
     base = free_port_block(WORLD)
     with tempfile.TemporaryDirectory() as tmp:
         rule_file = Path(tmp) / "rules.yml"

@@ -235,7 +235,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--time-scale", type=_positive, default=1.0, metavar="F",
                         help="multiply every window, offset, `for` and time constant by F; e.g. "
                         "0.0667 turns rules written for 15 s intervals into rules for 1 s "
-                        "intervals (tests, demos). Default: 1")
+                        "intervals (tests, demos); start the ranks judged by them with "
+                        "ROBUST_METRICS_TIME_SCALE=F, so that the hook's step windows match. "
+                        "Default: 1")
     parser.add_argument("--runbook-url", default=RUNBOOK_BASE, metavar="URL",
                         help="base URL of the runbook, for a private copy of RUNBOOK.md "
                         f"(default: {RUNBOOK_BASE})")

@@ -39,6 +39,7 @@ from typing import Any
 import httpx
 
 from robust_metrics import rules
+from robust_metrics.hooks.windows import PUBLISHED, StepWindows, published_value
 from tests.remote_write import STALE, Series, push
 
 __all__ = ["RANKS", "RUN", "Replay", "Trace", "scenario"]
@@ -63,6 +64,7 @@ class _Rank:
     compute: float = 0.0
     blocked: float = 0.0
     waiting: bool = False  # entered the next collective and waits in it
+    windows: StepWindows = field(default_factory=StepWindows)  # what the hook keeps
 
 
 def _node(rank: int) -> int:
@@ -84,6 +86,9 @@ def _advance(state: list[_Rank], t0: float, elapsed: float) -> None:
     new_steps = SCRAPE_S / step_s
     for rank, s in enumerate(state):
         compute = 0.9 if (rank == SLOW_RANK and elapsed > SLOW_FROM) else 0.6
+        ended = math.floor(s.steps + new_steps) - math.floor(s.steps)
+        for i in range(ended):  # the whole steps of the interval, evenly spaced in it
+            s.windows.add(t0 + elapsed - SCRAPE_S * (ended - 1 - i) / ended, step_s, compute)
         s.steps += new_steps
         s.compute += new_steps * compute
         s.blocked += new_steps * (step_s - compute)
@@ -91,7 +96,7 @@ def _advance(state: list[_Rank], t0: float, elapsed: float) -> None:
 
 
 def _rank_samples(rank: int, s: _Rank, t0: float, elapsed: float
-                  ) -> Iterator[tuple[str, dict[str, str], float]]:
+                  ) -> Iterator[tuple[str, dict[str, str], float | object]]:
     base = {"run": RUN, "rank": str(rank)}
     steps = math.floor(s.steps)
     in_ckpt = CKPT[0] <= elapsed < CKPT[1]
@@ -109,6 +114,7 @@ def _rank_samples(rank: int, s: _Rank, t0: float, elapsed: float
                         ("robust_step_compute_seconds", s.compute)):
         yield f"{name}_sum", base, total
         yield f"{name}_count", base, steps
+    yield from _window_samples(base, s.windows, exited)
     coll = {**base, "op": "all_reduce", "group": "default_pg"}
     yield "robust_collective_duration_seconds_sum", coll, s.blocked
     yield "robust_collective_duration_seconds_count", coll, 2 * steps
@@ -148,6 +154,18 @@ def _rank_samples(rank: int, s: _Rank, t0: float, elapsed: float
     yield "robust_gpu_clock_throttle", {**device, "reason": "hw_thermal_slowdown"}, faulty
     xid = {"node": gpu["node"], "gpu": gpu["gpu"], "xid": "79"}
     yield "robust_gpu_xid_errors_total", xid, float(rank == XID_RANK and elapsed >= XID_AT)
+
+
+def _window_samples(base: dict[str, str], windows: StepWindows, exited: bool
+                    ) -> Iterator[tuple[str, dict[str, str], float | object]]:
+    """The step windows the hook publishes; a dead process's gauges vanish (stale)."""
+    for spec, names in PUBLISHED:
+        for window in names:
+            stats = windows.stats(window)
+            if stats is None:
+                continue
+            value = STALE if exited else published_value(stats, spec.name)
+            yield spec.name, {**base, "window": window}, value
 
 
 def _short_run_samples(rank: int, t0: float, elapsed: float

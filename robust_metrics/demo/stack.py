@@ -116,7 +116,8 @@ class DemoStack:
                          "ack_source": "sidecar"},
             "schedulers": {"local": {
                 "type": "local", "command": launcher, "cwd": str(self.folder),
-                "env": {"ROBUST_METRICS_DIR": str(self.metrics_dir), "OMP_NUM_THREADS": "1"},
+                "env": {"ROBUST_METRICS_DIR": str(self.metrics_dir), "OMP_NUM_THREADS": "1",
+                        "ROBUST_METRICS_TIME_SCALE": repr(TIME_SCALE)},
                 "state_dir": str(self.folder / "local-scheduler"), "log_dir": str(self.logs),
                 "stop_timeout_s": 10}},
             "default_scheduler": "local",

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from robust_metrics import schema
 from robust_metrics.hooks.metric_store import MetricStore, Series
 
-__all__ = ["WINDOW_SECONDS", "StepWindows", "WindowPublisher", "WindowStats"]
+__all__ = ["PUBLISHED", "WINDOW_SECONDS", "StepWindows", "WindowPublisher", "WindowStats",
+           "published_value"]
 
 WINDOW_SECONDS: dict[str, float] = {"1m": 60.0, "2m": 120.0, "5m": 300.0}
 """Window names (the `window` label) and their production lengths."""
@@ -127,11 +128,12 @@ class WindowPublisher:
         for series, metric, window in self._series:
             found = stats[window]
             if found is not None:
-                series.set(_value(found, metric))
+                series.set(published_value(found, metric))
         self._published_at = last
 
 
-def _value(stats: WindowStats, metric: str) -> float:
+def published_value(stats: WindowStats, metric: str) -> float:
+    """The value `metric` (a name in PUBLISHED) publishes for a window's `stats`."""
     if metric == schema.STEP_COMPUTE_MEAN.name:
         return stats.compute_mean
     if metric == schema.STEP_DURATION_MEAN.name:

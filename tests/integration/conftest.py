@@ -5,13 +5,14 @@ name wins."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.integration.alert_checks import write_test_rules
+from tests.integration.alert_checks import TIME_SCALE, write_test_rules
 from tests.prometheus_fixture import PrometheusServer
 from tests.support import SidecarProcess, require_binary
 
@@ -25,6 +26,20 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if item.path.resolve().is_relative_to(HERE):
             item.add_marker(pytest.mark.integration)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def ranks_at_the_rules_time_scale() -> Iterator[None]:
+    """Every rank these tests start keeps its step windows at the time scale of the rules
+    that judge it (1/15, `robust-metrics rules --time-scale`): the hook's 1-minute window is 4 s,
+    as the rules' `[1m]` is."""
+    before = os.environ.get("ROBUST_METRICS_TIME_SCALE")
+    os.environ["ROBUST_METRICS_TIME_SCALE"] = repr(TIME_SCALE)
+    yield
+    if before is None:
+        del os.environ["ROBUST_METRICS_TIME_SCALE"]
+    else:
+        os.environ["ROBUST_METRICS_TIME_SCALE"] = before
 
 
 @pytest.fixture(scope="module")

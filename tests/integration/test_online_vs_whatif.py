@@ -43,7 +43,7 @@ def test_online_estimate_and_simulator_agree_on_the_slow_rank(tmp_path: Path) ->
         online = wait_until(estimate, timeout=120, interval=1,
                             message=lambda: f"online slowdown estimate\n{job.logs()}")
         ratios = {int(r["metric"]["rank"]): float(r["value"][1]) for r in prom.query(
-            f'run_rank:robust_step_compute_seconds:mean5m{{run="{RUN}"}} / on (run) group_left () '
+            f'robust_step_compute_mean_seconds{{run="{RUN}", window="5m"}} / on (run) group_left () '
             f'run:robust_step_compute_seconds:median5m')}
     result = analyze(load_model(trace, steps=range(5, 10_000_000)))  # step 0 is warm-up
     online_slow = max(ratios, key=ratios.__getitem__)

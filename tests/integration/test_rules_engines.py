@@ -51,10 +51,6 @@ RATE_TOLERANCE = {"run:robust_steps:rate5m": (TOLERANCE, 0.05),
                   # differences for the hour (8.5% at most in the 45 minutes replayed)
                   "run:robust_mfu:train_median1h": (0.1, 0.05 * rr.FLOPS_PER_STEP
                                                     / rr.PEAK_FLOPS),
-                  # a 1 minute window at 15 s scrapes holds four increments and MetricsQL reads
-                  # a fifth: when a rank's compute per step goes from 0.6 to 0.9 s, one old
-                  # increment in five moves its mean by 0.06 s (6.7%)
-                  "run_rank:robust_step_compute_seconds:mean1m": (0.1, 0.0),
                   # the same fifth increment, in the mean and in the spread: a z-score is a
                   # difference of means over a standard error, so 6.7% in the mean moves it
                   # by up to 27% (measured 0.266) and slow1m, the ratio it gates, by 6.6%

@@ -1,0 +1,161 @@
+"""The step windows the hook keeps for the straggler rules (robust_metrics/hooks/windows.py):
+the means over the steps that ended within a window before the rank's last step, exactly as the
+rules used to derive them from the summaries, on the rank's clock."""
+
+from __future__ import annotations
+
+import math
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+from prometheus_client.multiprocess import MultiProcessCollector
+
+import robust_metrics
+from robust_metrics.hooks.config import WatchOptions
+from robust_metrics.hooks.watch import Watch
+from robust_metrics.hooks.windows import PUBLISHED, StepWindows
+from tests.hook_models import make_model, train, value
+from tests.support import free_port
+
+
+def steps_every(seconds: float, count: int, computes: list[float]) -> StepWindows:
+    """`count` steps of `seconds` each ending at t = seconds, 2 x seconds, ..., their computes
+    cycling through `computes`."""
+    windows = StepWindows()
+    for i in range(count):
+        windows.add((i + 1) * seconds, seconds, computes[i % len(computes)])
+    return windows
+
+
+def test_a_window_holds_the_steps_that_ended_within_it_before_the_last_step() -> None:
+    windows = steps_every(1.0, 600, [0.2, 0.4])  # steps end at 1 .. 600 s
+    minute = windows.stats("1m")
+    assert minute is not None
+    assert minute.steps == 60  # ended in (540, 600]
+    assert minute.duration_mean == pytest.approx(1.0)
+    assert minute.compute_mean == pytest.approx(0.3)
+    assert minute.compute_variation == pytest.approx(0.1 / 0.3)  # stddev 0.1 around 0.3
+    five = windows.stats("5m")
+    assert five is not None and five.steps == 300
+
+
+def test_a_window_after_a_change_mixes_the_old_and_new_steps_by_their_end_times() -> None:
+    windows = StepWindows()
+    for i in range(120):  # one 0.5 s compute per second, then 1.0 s from t = 90 s on
+        windows.add(i + 1.0, 1.0, 0.5 if i + 1 <= 90 else 1.0)
+    minute = windows.stats("1m")  # (60, 120]: 30 steps of 0.5, 30 of 1.0
+    assert minute is not None and minute.compute_mean == pytest.approx(0.75)
+    two = windows.stats("2m")  # every step since the process began: 90 x 0.5, 30 x 1.0
+    assert two is not None and two.steps == 120
+    assert two.compute_mean == pytest.approx((90 * 0.5 + 30 * 1.0) / 120)
+
+
+def test_windows_end_at_the_last_step_so_a_rank_that_stops_keeps_its_values() -> None:
+    windows = steps_every(1.0, 100, [0.3])
+    before = windows.stats("1m")
+    time.sleep(0.01)  # time passes with no step: nothing the window reads changes
+    assert windows.stats("1m") == before
+    assert windows.last_step == 100.0
+
+
+def test_no_window_before_the_first_step_and_one_step_is_a_window() -> None:
+    windows = StepWindows()
+    assert windows.stats("1m") is None and windows.last_step is None
+    windows.add(10.0, 2.0, 1.5)
+    only = windows.stats("1m")
+    assert only is not None
+    assert (only.steps, only.duration_mean, only.compute_mean) == (1, 2.0, 1.5)
+    assert only.compute_variation == 0.0
+
+
+def test_trim_keeps_memory_to_the_longest_window_and_the_values_unchanged() -> None:
+    windows = steps_every(0.01, 100_000, [0.004, 0.006])  # 1,000 s of 10 ms steps
+    expected = {name: windows.stats(name) for name in windows.lengths}
+    windows.trim()
+    assert len(windows._marks) <= 300 / 0.01 + 2
+    assert {name: windows.stats(name) for name in windows.lengths} == expected
+
+
+def test_the_time_scale_scales_every_window() -> None:
+    windows = StepWindows(time_scale=1 / 15)
+    assert windows.lengths == {"1m": 4.0, "2m": 8.0, "5m": 20.0}
+    for bad in (0, -1.0, math.nan):
+        with pytest.raises(ValueError, match="time_scale"):
+            StepWindows(time_scale=bad)
+
+
+@pytest.fixture
+def watched() -> Iterator[tuple[torch.nn.Module, torch.optim.Optimizer, list[Watch]]]:
+    model, optimizer = make_model()
+    handles: list[Watch] = []
+    yield model, optimizer, handles
+    for h in handles:
+        h.close()
+
+
+def start(watched_: tuple, **options: object) -> Watch:  # type: ignore[type-arg]
+    model, optimizer, handles = watched_
+    options = {"backend": "null", "run": "unit", "rank": 0, "world_size": 1, **options}
+    handle = robust_metrics.watch(model, optimizer, **options)
+    handles.append(handle)
+    return handle
+
+
+def test_watch_publishes_each_window_the_rules_read_from_the_steps_it_timed(
+        watched: tuple) -> None:  # type: ignore[type-arg]
+    handle = start(watched)
+    timed = iter([[(0.5, 0.2)], [(0.7, 0.1)], [(0.4, 0.4)], [(1.0, 0.0), (0.9, 0.3)]])
+    handle.steps.timed_steps = lambda host_seconds: next(timed)  # type: ignore[method-assign]
+    with pytest.raises(KeyError):  # no step yet: no window, never a placeholder 0
+        value(handle, "robust_step_compute_mean_seconds", window="1m")
+    train(watched[0], watched[1], 4)
+    computes, durations = [0.3, 0.6, 0.0, 1.0, 0.6], [0.5, 0.7, 0.4, 1.0, 0.9]
+    mean = sum(computes) / 5
+    for window in ("1m", "2m", "5m"):
+        assert value(handle, "robust_step_compute_mean_seconds", window=window) == \
+            pytest.approx(mean)
+    for window in ("2m", "5m"):
+        assert value(handle, "robust_step_duration_mean_seconds", window=window) == \
+            pytest.approx(sum(durations) / 5)
+    spread = math.sqrt(sum(c * c for c in computes) / 5 - mean * mean) / mean
+    assert value(handle, "robust_step_compute_variation_ratio", window="1m") == \
+        pytest.approx(spread)
+    assert value(handle, "robust_window_steps", window="1m") == 5
+    published = {(s.name, s.series.label_map().get("window")) for s in handle.store.samples()
+                 if "window" in s.series.spec.labels}
+    assert published == {(spec.name, w) for spec, windows in PUBLISHED for w in windows}
+
+
+@pytest.mark.parametrize("backend", ["multiprocess", "http"])
+def test_the_windows_are_served_by_the_sidecar_files_and_the_endpoint(
+        watched: tuple, tmp_path: Path, backend: str) -> None:  # type: ignore[type-arg]
+    port = free_port()
+    handle = start(watched, backend=backend, metrics_dir=str(tmp_path), port=port,
+                   flush_interval=0)
+    handle.steps.timed_steps = lambda host_seconds: [(0.5, 0.2)]  # type: ignore[method-assign]
+    train(watched[0], watched[1], 3)
+    if backend == "http":
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
+        assert b'robust_step_compute_mean_seconds{rank="0",run="unit",window="1m"} 0.3' in text
+        return
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, path=str(tmp_path))
+    got = registry.get_sample_value("robust_step_compute_mean_seconds",
+                                    {"run": "unit", "rank": "0", "window": "5m"})
+    assert got == pytest.approx(0.3)
+
+
+def test_the_time_scale_comes_from_the_environment_and_bad_values_are_refused() -> None:
+    env = {"ROBUST_METRICS_TIME_SCALE": "0.0667"}
+    assert WatchOptions.resolve(env, backend="null").time_scale == pytest.approx(0.0667)
+    assert WatchOptions.resolve({}, backend="null").time_scale == 1.0
+    with pytest.raises(ValueError, match="ROBUST_METRICS_TIME_SCALE"):
+        WatchOptions.resolve({"ROBUST_METRICS_TIME_SCALE": "fast"}, backend="null")
+    for bad in (0, -2, math.inf, True):
+        with pytest.raises(ValueError, match="time_scale"):
+            WatchOptions.resolve({}, backend="null", time_scale=bad)
