@@ -58,6 +58,7 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from robust_metrics import rule_shards, rules, schema
+from robust_metrics.hooks.windows import PUBLISHED
 from robust_metrics.processes import (
     Prometheus,
     QueryAPI,
@@ -71,8 +72,8 @@ from robust_metrics.processes import (
 from robust_metrics.sidecar.collectors.nvml import THROTTLE_REASONS
 
 SLOW_RANK = 7
-SLOW_RANKS = ("run_rank:robust_step_compute_seconds:mean5m / on (run) group_left () "
-              "run:robust_step_compute_seconds:median5m > 1.25")
+SLOW_RANKS = ('max without (window) (robust_step_compute_mean_seconds{window="5m"} / on (run) '
+              "group_left () run:robust_step_compute_seconds:median5m > 1.25)")
 RUN = "bench"
 # Alerts the synthetic job raises: SlowRank for rank 7 and StragglerSlowdownHigh for the run.
 # Anything else means the synthetic job is not the healthy one the figures are meant for (one
@@ -84,7 +85,6 @@ SAMPLE_KEYS = {
     "robust_steps_total": "steps", "robust_last_step_timestamp_seconds": "now",
     "robust_global_step": "steps", "robust_step_duration_seconds_sum": "steps",
     "robust_step_duration_seconds_count": "steps", "robust_step_compute_seconds_sum": "compute",
-    "robust_step_compute_seconds_squared_total": "compute_sq",
     "robust_step_compute_seconds_count": "steps", "robust_data_wait_seconds_sum": "small",
     "robust_data_wait_seconds_count": "steps", "robust_gc_pause_seconds_sum": "small",
     "robust_gc_pause_seconds_count": "steps", "robust_loss": "loss", "robust_grad_norm": "one",
@@ -96,6 +96,10 @@ SAMPLE_KEYS = {
     "start", "robust_rank_process_resident_memory_bytes": "bytes",
     "robust_model_flops_total": "flops", "robust_gpu_peak_flops": "peak",
     "robust_rank_gpu_peak_flops": "peak",
+    # the hook's step windows (hooks/windows.py): every window of a steady rank the same
+    "robust_step_compute_mean_seconds": "compute_mean",
+    "robust_step_duration_mean_seconds": "duration_mean",
+    "robust_step_compute_variation_ratio": "variation", "robust_window_steps": "window_steps",
     # a healthy rank: no non-finite step, no failed or requested checkpoint, started at step 0
     "robust_nonfinite_loss_steps_total": "zero", "robust_nonfinite_grad_steps_total": "zero",
     "robust_checkpoint_failures_total": "zero", "robust_checkpoint_request_id": "zero",
@@ -106,15 +110,18 @@ SAMPLE_KEYS = {
     "robust_gpu_row_remap_failure": "zero", "robust_gpu_pcie_replays_total": "zero",
     "robust_gpu_energy_joules_total": "steps",
 }
-# values of the labels a series has several of (one series per value)
-MULTI_VALUED = {"phase": schema.PHASES, "reason": tuple(THROTTLE_REASONS),
-                "type": ("corrected", "uncorrected")}
+# values of the labels a series has several of (one series per value); `window`: by metric,
+# the windows the hook publishes of it
+MULTI_VALUED: dict[str, tuple[str, ...] | dict[str, tuple[str, ...]]] = {
+    "phase": schema.PHASES, "reason": tuple(THROTTLE_REASONS),
+    "type": ("corrected", "uncorrected"),
+    "window": {spec.name: windows for spec, windows in PUBLISHED}}
 FLOPS_PER_SECOND, PEAK_FLOPS = 400e12, 989e12  # with --flops: MFU = 400 / 989 on every rank
 
 
 def _labels(spec: schema.MetricSpec, rank: int, node: int) -> list[str]:
     """Label sets of one rank's series of `spec` (one op/group, three phases; for a GPU, every
-    throttle reason and both ECC error types)."""
+    throttle reason and both ECC error types, every published window)."""
     values = {"run": RUN, "rank": str(rank), "op": "all_reduce", "group": "default_pg",
               "node": f"node{node}", "gpu": str(rank % 8), "uuid": f"GPU-{rank}",
               "name": "NVIDIA H100 80GB HBM3", "local_rank": str(rank % 8),
@@ -122,7 +129,9 @@ def _labels(spec: schema.MetricSpec, rank: int, node: int) -> list[str]:
               "pp_rank": "0", "tp_rank": "0"}
     sets = [""]
     for name in spec.labels:
-        choices = MULTI_VALUED[name] if name in MULTI_VALUED else (values[name],)
+        multi = MULTI_VALUED.get(name)
+        choices = (values[name],) if multi is None else (
+            multi[spec.name] if isinstance(multi, dict) else multi)
         sets = [f'{head},{name}="{v}"' if head else f'{name}="{v}"'
                 for head in sets for v in choices]
     return sets
@@ -164,7 +173,7 @@ def shard_template(ranks: range, flops: bool = False, gpu_series: bool = False) 
             for labels in _labels(spec, rank, node):
                 for sample in spec.sample_names():
                     key = SAMPLE_KEYS.get(sample, "one")
-                    if rank == SLOW_RANK and key in ("compute", "compute_sq", "blocked"):
+                    if rank == SLOW_RANK and key in ("compute", "compute_mean", "variation", "blocked"):
                         key += "_slow"
                     if sample == "robust_phase":
                         key = "one" if labels.endswith('"train"') else "zero"
@@ -209,8 +218,11 @@ class Exporter:
         t = now - self.start
         return {"steps": f"{t:.3f}", "now": f"{now:.3f}", "start": f"{self.start:.3f}",
                 "compute": f"{0.6 * t:.3f}", "compute_slow": f"{0.9 * t:.3f}",
-                # squares of 0.6 s (0.9 s) steps with a 0.03 s step-to-step spread
-                "compute_sq": f"{0.3609 * t:.4f}", "compute_sq_slow": f"{0.8109 * t:.4f}",
+                # the hook's windows of 1 s steps of 0.6 s (0.9 s) compute with a 0.03 s
+                # step-to-step spread: as many steps as seconds, up to the minute
+                "compute_mean": "0.6", "compute_mean_slow": "0.9", "duration_mean": "1.0",
+                "variation": f"{0.03 / 0.6:.4f}", "variation_slow": f"{0.03 / 0.9:.4f}",
+                "window_steps": f"{min(int(t), 60)}",
                 "blocked": f"{0.4 * t:.3f}", "blocked_slow": f"{0.1 * t:.3f}",
                 "small": f"{0.01 * t:.3f}", "loss": "2.0", "one": "1", "zero": "0",
                 "bytes": f"{1e6 * t:.0f}", "flops": f"{FLOPS_PER_SECOND * t:.6e}",

@@ -1,7 +1,7 @@
 """The random series behind the statistical slow-rank cases, and the committed promtool file.
 
-What the cases rely on: the series are what a hook would publish for the stated job (the compute
-counters give back the jitter's spread and the slow rank's factor), a scenario is reproducible
+What the cases rely on: the series are what a hook would publish for the stated job (the window
+gauges give back the jitter's spread and the slow rank's factor), a scenario is reproducible
 from its seed, and alert_rules/tests/stragglers_stat_test.yml is what tests/straggler_stat_cases.py
 generates (the promtool run in tests/test_rules.py judges it).
 """
@@ -9,25 +9,55 @@ generates (the promtool run in tests/test_rules.py judges it).
 from __future__ import annotations
 
 import math
+import statistics
 
 import pytest
 
-from robust_metrics.workloads.straggler_series import Scenario, promtool_series, scrapes
+from robust_metrics import schema
+from robust_metrics.hooks.windows import PUBLISHED, WINDOW_SECONDS
+from robust_metrics.workloads.straggler_series import Scenario, promtool_series, run_steps, scrapes
 from tests import straggler_stat_cases
 
 
 def _minute(scenario: Scenario, rank: int, end_s: float) -> tuple[float, float]:
-    """Mean and standard deviation of compute per step over the minute before `end_s`, from the
-    counters as the rules read them: E[c^2] - E[c]^2."""
+    """Mean and standard deviation of compute per step over the minute before the last step by
+    `end_s`, from the window gauges as the rules read them: the mean, times its variation."""
+    windows = scrapes(scenario)[int(end_s // 15)][rank].windows
+    mean = windows[(schema.STEP_COMPUTE_MEAN.name, "1m")]
+    return mean, mean * windows[(schema.STEP_COMPUTE_VARIATION.name, "1m")]
+
+
+def test_the_window_gauges_are_the_hooks_over_the_steps_ended_by_the_scrape() -> None:
+    """Each scrape serves, for every published window, the statistics of the steps that ended
+    within it before the rank's last step by then (recomputed here from the steps themselves);
+    nothing before the first step."""
+    scenario = Scenario(ranks=2, minutes=6, slow={1: (1.2, 0.0)}, pause=(150.0, 200.0), seed=3)
+    run = list(run_steps(scenario))
     table = scrapes(scenario)
-    now, before = table[int(end_s // 15)][rank], table[int((end_s - 60) // 15)][rank]
-    n = now.steps - before.steps
-    mean = (now.compute - before.compute) / n
-    variance = (now.compute_squared - before.compute_squared) / n - mean ** 2
-    return mean, math.sqrt(variance)
+    assert table[0][0].windows == {}
+    for row in table[1:]:
+        done = [step for step in run if step[0] <= row[0].t]
+        last = done[-1][0]
+        for scrape in row:
+            expected = {}
+            for spec, windows in PUBLISHED:
+                for window in windows:
+                    inside = [s for s in done if s[0] > last - WINDOW_SECONDS[window]]
+                    computes = [s[2][scrape.rank] for s in inside]
+                    expected[spec.name, window] = {
+                        schema.STEP_COMPUTE_MEAN.name: statistics.fmean(computes),
+                        schema.STEP_DURATION_MEAN.name: statistics.fmean(s[1] for s in inside),
+                        schema.STEP_COMPUTE_VARIATION.name:
+                            statistics.pstdev(computes) / statistics.fmean(computes),
+                        schema.WINDOW_STEPS.name: len(inside),
+                    }[spec.name]
+            assert scrape.windows == pytest.approx(expected, rel=1e-9)
+    # through the pause the windows keep the last step's values (they change only at step ends)
+    assert table[11][1].windows == table[13][1].windows  # 165 s and 195 s
+    assert table[11][1].windows[schema.WINDOW_STEPS.name, "1m"] > 50
 
 
-def test_the_counters_give_back_the_jitter_and_the_slowdown() -> None:
+def test_the_windows_give_back_the_jitter_and_the_slowdown() -> None:
     scenario = Scenario(ranks=4, minutes=20, slow={2: (1.1, 300.0)}, seed=11)
     for rank in (0, 1, 3):
         mean, spread = _minute(scenario, rank, 900)

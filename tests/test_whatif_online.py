@@ -15,6 +15,7 @@ import subprocess
 import numpy as np
 import pytest
 
+from robust_metrics import schema
 from robust_metrics.analysis.whatif import load_model
 from robust_metrics.analysis.whatif.report import verdict
 from robust_metrics.workloads import trace_series
@@ -60,7 +61,15 @@ def test_the_trace_is_played_end_to_end_at_its_step_times(model) -> None:
         for r, scrape in enumerate(row):
             assert scrape.steps == done
             assert scrape.compute == pytest.approx(compute[r, :done].sum())
-            assert scrape.compute_squared == pytest.approx((compute[r, :done] ** 2).sum())
+            if done:  # the hook's windows over the steps played by then (none before the first)
+                inside = slice(int((ends[:done] <= ends[done - 1] - 60).sum()), done)
+                mean = compute[r, inside].mean()
+                assert scrape.windows[schema.STEP_COMPUTE_MEAN.name, "1m"] == pytest.approx(mean)
+                assert scrape.windows[schema.STEP_COMPUTE_VARIATION.name, "1m"] == pytest.approx(
+                    compute[r, inside].std() / mean)
+                assert scrape.windows[schema.WINDOW_STEPS.name, "1m"] == done - inside.start
+            else:
+                assert scrape.windows == {}
             assert scrape.duration == pytest.approx(ends[done - 1] if done else 0.0)
             assert scrape.last_step == scrape.duration
 

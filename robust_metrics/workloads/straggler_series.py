@@ -6,7 +6,11 @@ on noise and name a rank 1.1x slower is a question about random series, which co
 (`0+9x40` in a promtool file) cannot ask. This module draws them: every step, each rank computes
 `base x its slowdown x (1 + jitter x U(-1, 1))` seconds, the step ends when the slowest rank has
 computed plus a transfer time (a bulk-synchronous step: every other rank waits in the collective),
-and a scrape every 15 s sees the counters of the steps completed by then.
+and a scrape every 15 s sees what the hook publishes of the steps completed by then: the step
+counter, the last step's time and age, the phase, and the step windows the rules compare
+(robust_step_compute_mean_seconds and the other gauges of hooks/windows.py `PUBLISHED`), computed
+by the hook's own code (`StepWindows` fed every step's end, duration and compute, read through
+its `WindowPublisher` at the scrape).
 
 It feeds the promtool cases in alert_rules/tests/stragglers_stat_test.yml (written by
 `python -m tests.straggler_stat_cases`) and bench/straggler_curve.py. A scenario is seeded: the
@@ -24,13 +28,19 @@ from typing import Any
 
 import yaml
 
-from robust_metrics import rules
+from robust_metrics import rules, schema
+from robust_metrics.hooks.metric_store import MetricStore
+from robust_metrics.hooks.windows import PUBLISHED, StepWindows, WindowPublisher
 
-__all__ = ["SCRAPE_S", "Scenario", "Scrape", "promtool_file", "promtool_series", "scrape_series",
-           "scrapes"]
+__all__ = ["SCRAPE_S", "RankWindows", "Scenario", "Scrape", "promtool_file", "promtool_series",
+           "run_steps", "scrape_series", "scrapes"]
 
 SCRAPE_S = 15.0
 """Seconds between scrapes, Prometheus' default interval and the rules' design point."""
+
+WINDOW_DIGITS = 5
+"""Decimals of the window gauges in promtool files: 10 us of a mean, a fraction of the standard
+error the rules test against (about 4 ms for 60 steps of +-10% jitter on 0.6 s)."""
 
 
 @dataclass(frozen=True)
@@ -76,30 +86,53 @@ class Scenario:
         return self.pause is not None and self.pause[0] <= t < self.pause[1]
 
 
+class RankWindows:
+    """One rank's step windows as its hook keeps and publishes them: the hook's `StepWindows`,
+    read through its `WindowPublisher` into a `MetricStore` of the rank's own, so that a scrape
+    sees the values a live rank would serve (the same windows, the same arithmetic)."""
+
+    def __init__(self) -> None:
+        self.windows = StepWindows()
+        self._store = MetricStore({})
+        self._store.on_read(WindowPublisher(self._store, self.windows).refresh)
+
+    def add(self, at: float, duration: float, compute: float) -> None:
+        """One step of the rank that ended at `at` seconds."""
+        self.windows.add(at, duration, compute)
+
+    def read(self) -> dict[tuple[str, str], float]:
+        """(metric, window) -> value of every window gauge, as a scrape now reads them; empty
+        before the rank's first step (the hook creates them at its first step)."""
+        return {(sample.name, sample.series.label_map()["window"]): sample.value
+                for sample in self._store.samples()}
+
+
 @dataclass
 class _Counters:
     steps: int = 0
     compute: float = 0.0
-    compute_squared: float = 0.0
     duration: float = 0.0
     last_step: float = 0.0
+    windows: RankWindows = field(default_factory=RankWindows)
 
 
 @dataclass(frozen=True)
 class Scrape:
-    """What one scrape at `t` seconds sees of one rank."""
+    """What one scrape at `t` seconds sees of one rank. `steps`, `compute`, `duration`: the
+    rank's totals (steps, seconds of compute, seconds of steps) since the start; `windows`: the
+    hook's window gauges, (metric, window) -> value (`RankWindows.read`)."""
 
     t: float
     rank: int
     steps: int
     compute: float
-    compute_squared: float
     duration: float
     last_step: float
     paused: bool
+    windows: Mapping[tuple[str, str], float] = field(default_factory=dict)
 
 
-def _steps(scenario: Scenario) -> Iterator[tuple[float, float, list[float]]]:
+def run_steps(scenario: Scenario) -> Iterator[tuple[float, float, list[float]]]:
     """(end time, duration, each rank's compute) of every step, in order, until the end. A
     pause is not part of the step after it (the hook restarts the step clock on leaving a
     phase)."""
@@ -125,7 +158,7 @@ def scrapes(scenario: Scenario) -> list[list[Scrape]]:
     counters = [_Counters() for _ in range(scenario.ranks)]
     out: list[list[Scrape]] = []
     count = int(scenario.minutes * 60 // SCRAPE_S) + 1
-    steps = _steps(scenario)
+    steps = run_steps(scenario)
     pending = next(steps, None)
     for k in range(count):
         now = k * SCRAPE_S
@@ -134,12 +167,13 @@ def scrapes(scenario: Scenario) -> list[list[Scrape]]:
             for c, compute in zip(counters, computes, strict=True):
                 c.steps += 1
                 c.compute += compute
-                c.compute_squared += compute * compute
                 c.duration += duration
                 c.last_step = end
+                c.windows.add(end, duration, compute)
             pending = next(steps, None)
-        out.append([Scrape(now, r, c.steps, c.compute, c.compute_squared, c.duration, c.last_step,
-                           scenario.paused(now)) for r, c in enumerate(counters)])
+        out.append([Scrape(now, r, c.steps, c.compute, c.duration, c.last_step,
+                           scenario.paused(now), c.windows.read())
+                    for r, c in enumerate(counters)])
     return out
 
 
@@ -153,8 +187,8 @@ def _values(numbers: list[float], digits: int) -> str:
 
 
 def promtool_series(scenario: Scenario, run: str) -> list[dict[str, str]]:
-    """promtool `input_series` of the run: the compute and step-duration summaries, the sum of
-    squared compute, the last step's timestamp, the step age, the phase of every rank, and its node
+    """promtool `input_series` of the run: the step counter, the window gauges (hooks/windows.py
+    `PUBLISHED`), the last step's timestamp, the step age, the phase of every rank, and its node
     (`n<rank>` on `robust_rank_info`)."""
     return scrape_series(scrapes(scenario), run, pause_phase=scenario.pause_phase)
 
@@ -171,14 +205,18 @@ def scrape_series(table: list[list[Scrape]], run: str, *, pause_phase: str = "ch
         rank = rows[0].rank
         labels = f'run="{run}",rank="{rank}"'
         for name, numbers, digits in (
-            ("robust_step_compute_seconds_count", [s.steps for s in rows], 0),
-            ("robust_step_compute_seconds_sum", [s.compute for s in rows], 4),
-            ("robust_step_compute_seconds_squared_total", [s.compute_squared for s in rows], 4),
-            ("robust_step_duration_seconds_count", [s.steps for s in rows], 0),
-            ("robust_step_duration_seconds_sum", [s.duration for s in rows], 4),
-            ("robust_last_step_timestamp_seconds", [s.last_step for s in rows], 3),
+            (schema.STEPS_TOTAL.name, [s.steps for s in rows], 0),
+            (schema.LAST_STEP_TIMESTAMP.name, [s.last_step for s in rows], 3),
         ):
             out.append({"series": f"{name}{{{labels}}}", "values": _values(numbers, digits)})
+        # the window gauges, from the rank's first step on (absent before, as the hook has none)
+        for spec, windows in PUBLISHED:
+            for window in windows:
+                key = (spec.name, window)
+                values = [_number(s.windows[key], WINDOW_DIGITS) if key in s.windows else "_"
+                          for s in rows]
+                out.append({"series": f'{spec.name}{{{labels},window="{window}"}}',
+                            "values": " ".join(values)})
         # the step age as the rank's in-process exporter serves it: at the scrape, once stepped
         ages = [_number(s.t - s.last_step, 3) if s.last_step > 0 else "_" for s in rows]
         out.append({"series": f"robust_rank_step_age_seconds{{{labels}}}",

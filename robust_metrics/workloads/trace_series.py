@@ -17,10 +17,11 @@ every 15 s would see of each traced rank, counted as the hook counts:
 - compute is the step minus blocked time: compute ops, the optimizer, GC and the host time
   between ops (data loading, launches), which the hook cannot tell from compute either.
 
-Only the series the straggler and attribution rules read are made: the step-duration and compute
-summaries, the sum of squared compute, the last step's timestamp, the phase (`train`
-throughout) and `robust_rank_info` with the rank's dp_rank, pp_rank (the trace's stage) and
-tp_rank 0 on node `n<rank>`. It feeds the promtool case alert_rules/tests/whatif_st_test.yml
+Only the series the straggler and attribution rules read are made: the step counter, the step
+windows the hook keeps (its own `StepWindows` fed every played step, as straggler_series.
+`RankWindows`), the last step's timestamp, the phase (`train` throughout) and
+`robust_rank_info` with the rank's dp_rank, pp_rank (the trace's stage) and tp_rank 0 on node
+`n<rank>`. It feeds the promtool case alert_rules/tests/whatif_st_test.yml
 (written by `python -m tests.whatif_online_cases`). Needs the `analysis` extra (numpy, pandas).
 """
 
@@ -33,7 +34,12 @@ import numpy as np
 
 from robust_metrics.analysis.whatif import optypes
 from robust_metrics.analysis.whatif.model import TraceModel
-from robust_metrics.workloads.straggler_series import SCRAPE_S, Scrape, scrape_series
+from robust_metrics.workloads.straggler_series import (
+    SCRAPE_S,
+    RankWindows,
+    Scrape,
+    scrape_series,
+)
 
 __all__ = ["RankSteps", "promtool_series", "rank_steps", "scrapes", "topology"]
 
@@ -91,7 +97,8 @@ def scrapes(model: TraceModel, minutes: float) -> list[list[Scrape]]:
     trace's steps played end to end from time 0, in step order, repeated until then."""
     timed = rank_steps(model)
     n_ranks, n_steps = timed.compute.shape
-    steps, compute, squared = np.zeros(n_ranks), np.zeros(n_ranks), np.zeros(n_ranks)
+    steps, compute = np.zeros(n_ranks), np.zeros(n_ranks)
+    windows = [RankWindows() for _ in range(n_ranks)]
     last, k = 0.0, 0  # the last step's end (the steps' seconds: played from 0), steps played
     out: list[list[Scrape]] = []
     for i in range(int(minutes * 60 // SCRAPE_S) + 1):
@@ -100,11 +107,13 @@ def scrapes(model: TraceModel, minutes: float) -> list[list[Scrape]]:
             j = k % n_steps
             steps += 1
             compute += timed.compute[:, j]
-            squared += timed.compute[:, j] ** 2
             last += timed.duration[j]
+            for r, rank_windows in enumerate(windows):
+                rank_windows.add(float(last), float(timed.duration[j]),
+                                 float(timed.compute[r, j]))
             k += 1
-        out.append([Scrape(now, rank, int(steps[r]), float(compute[r]), float(squared[r]),
-                           float(last), float(last), False)
+        out.append([Scrape(now, rank, int(steps[r]), float(compute[r]), float(last), float(last),
+                           False, windows[r].read())
                     for r, rank in enumerate(timed.ranks)])
     return out
 
