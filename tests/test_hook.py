@@ -17,6 +17,7 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.parser import text_string_to_metric_families
 
 import robust_metrics
 from robust_metrics.hooks import sinks
@@ -564,9 +565,10 @@ def test_an_uncaught_exception_at_interpreter_exit_writes_when_the_rank_crashed(
     assert raised_after <= data["crashed"] <= raised_after + 10, data
 
 
-def test_squared_compute_sums_the_squares_of_the_steps_compute(watched: tuple) -> None:  # type: ignore[type-arg]
-    """The straggler test's variance is E[c^2] - E[c]^2 from these three counters: the squares
-    must be of the same per-step compute the summary observes (step minus blocked time)."""
+def test_the_step_windows_are_of_the_same_compute_the_summary_observes(watched: tuple) -> None:  # type: ignore[type-arg]
+    """The straggler rules compare each rank's window means and spread: they must be of the same
+    per-step compute the summary observes (step minus blocked time), every timed step counted
+    (a GPU step's events can time two steps at once), in every published window."""
     handle = start(watched)
     timed = iter([[(0.5, 0.2)], [(0.7, 0.1)], [(0.4, 0.4)], [(1.0, 0.0), (0.9, 0.3)]])
     handle.steps.timed_steps = lambda host_seconds: next(timed)  # type: ignore[method-assign]
@@ -574,24 +576,42 @@ def test_squared_compute_sums_the_squares_of_the_steps_compute(watched: tuple) -
     computes = [0.3, 0.6, 0.0, 1.0, 0.6]
     assert value(handle, "robust_step_compute_seconds_count") == 5
     assert value(handle, "robust_step_compute_seconds_sum") == pytest.approx(sum(computes))
-    assert value(handle, "robust_step_compute_seconds_squared_total") == pytest.approx(
-        sum(c * c for c in computes))
+    mean = sum(computes) / 5
+    for window in ("1m", "2m", "5m"):  # the steps took well under a second: all in every window
+        assert value(handle, "robust_step_compute_mean_seconds", window=window) == pytest.approx(
+            mean)
+    for window in ("2m", "5m"):
+        assert value(handle, "robust_step_duration_mean_seconds",
+                     window=window) == pytest.approx((0.5 + 0.7 + 0.4 + 1.0 + 0.9) / 5)
+    assert value(handle, "robust_window_steps", window="1m") == 5
+    spread = math.sqrt(sum((c - mean) ** 2 for c in computes) / 5)
+    assert value(handle, "robust_step_compute_variation_ratio", window="1m") == pytest.approx(
+        spread / mean)
 
 
 @pytest.mark.parametrize("backend", ["multiprocess", "http"])
-def test_squared_compute_is_served_by_the_sidecar_files_and_the_endpoint(
+def test_the_step_windows_are_served_by_the_sidecar_files_and_the_endpoint(
         watched: tuple, tmp_path: Path, backend: str) -> None:  # type: ignore[type-arg]
     port = free_port()
     handle = start(watched, backend=backend, metrics_dir=str(tmp_path), port=port,
                    flush_interval=0)
     handle.steps.timed_steps = lambda host_seconds: [(0.5, 0.2)]  # type: ignore[method-assign]
     train(watched[0], watched[1], 3)
+    expected = {("robust_step_compute_mean_seconds", "1m"): 0.3,
+                ("robust_step_duration_mean_seconds", "5m"): 0.5,
+                ("robust_step_compute_variation_ratio", "1m"): 0.0,
+                ("robust_window_steps", "1m"): 3.0}
     if backend == "http":
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
-        assert b'robust_step_compute_seconds_squared_total{rank="0",run="unit"} 0.27' in text
-        return
-    registry = CollectorRegistry()
-    MultiProcessCollector(registry, path=str(tmp_path))
-    got = registry.get_sample_value("robust_step_compute_seconds_squared_total",
-                                    {"run": "unit", "rank": "0"})
-    assert got == pytest.approx(3 * 0.09)
+        served = {(sample.name, sample.labels.get("window")): sample.value
+                  for family in text_string_to_metric_families(text.decode())
+                  for sample in family.samples
+                  if sample.labels.get("run") == "unit" and sample.labels.get("rank") == "0"}
+    else:
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry, path=str(tmp_path))
+        served = {key: registry.get_sample_value(key[0], {"run": "unit", "rank": "0",
+                                                          "window": key[1]})
+                  for key in expected}
+    # equal steps: the spread is 0 up to the rounding of E[c^2] - E[c]^2 (about 1e-8)
+    assert {key: served.get(key) for key in expected} == pytest.approx(expected, abs=1e-6)

@@ -44,7 +44,7 @@ def test_names_follow_prometheus_conventions() -> None:
 
 
 def test_per_rank_series_carry_only_run_and_rank_plus_bounded_keys() -> None:
-    allowed_extra = {"op", "group", "phase", "where"}
+    allowed_extra = {"op", "group", "phase", "where", "window"}  # window: 1m, 2m, 5m at most
     for m in schema.all_metrics(schema.Source.RANK):
         if m.name == "robust_rank_info":
             continue

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from robust_metrics import rule_shards, rules
+from robust_metrics import rule_shards, rules, schema
 from robust_metrics.workloads import FAULT_JOB
 from tests.prometheus_fixture import PrometheusServer
 from tests.support import RankJob, wait_until
@@ -19,7 +19,7 @@ from tests.support import RankJob, wait_until
 WORLD = 4
 TIME_SCALE = 1 / 15  # 1 s intervals here, 15 s in production
 STEP_SLEEP = "0.05"
-WINDOW = f"{300 * TIME_SCALE:g}s"  # the rules' 5-minute window at this time scale
+WINDOW = "5m"  # the verdict's window: the hook's 5-minute window (its label at any time scale)
 SHORT_WINDOW = f"{120 * TIME_SCALE:g}s"  # StragglerSlowdownHigh's 2-minute window
 MAX_OF_4_NORMALS = 1.03  # the mean of the largest of 4 standard normal draws (1.0294)
 STRAGGLER = "StragglerSlowdownHigh"
@@ -64,14 +64,14 @@ def unexplained(prom: PrometheusServer, run: str) -> list[str]:
 
 def straggler_unexplained(prom: PrometheusServer, run: str, alert: dict[str, Any]) -> str | None:
     """None when StragglerSlowdownHigh (pending or firing, action none) says what the raw
-    compute samples show (sums, squares and counts, no recorded series); the reason otherwise
+    ranks' own step windows show (the hook's gauges, no recorded series); the reason otherwise
     (a DDP job has no pipeline stage to blame). Another process competing for the two cores
     really slows one rank or another, and the estimate may say so:
 
     - verdict worker: the named rank computes at least 5% more per step than the median rank
       over the verdict's 5-minute window;
     - verdict spread: either some rank does (contention that stayed), or the ranks'
-      step-to-step variation over the estimate's 2-minute window is large enough to make it.
+      step-to-step variation in the estimate's 2-minute window is large enough to make it.
       S - 1 is the slowest rank's mean compute above the mean rank's, over the ideal step; a
       burst that stalls one rank and then another raises that rank's mean by about its own
       standard deviation at most, so over 4 ranks S - 1 <= E[max of 4 standard normals] x
@@ -86,9 +86,8 @@ def straggler_unexplained(prom: PrometheusServer, run: str, alert: dict[str, Any
     verdict, rank = labels.get("verdict"), labels.get("rank")
     if verdict not in {"worker", "spread"} or (verdict == "worker" and rank is None):
         return f"{STRAGGLER} {alert['state']} with a cause a DDP job cannot have: {alert}"
-    compute = _by_rank(prom, f"rate(robust_step_compute_seconds_sum{{run=\"{run}\"}}[{WINDOW}])"
-                             f" / rate(robust_step_compute_seconds_count{{run=\"{run}\"}}"
-                             f"[{WINDOW}])")
+    compute = _by_rank(prom, f"max without (window) ({schema.STEP_COMPUTE_MEAN.name}"
+                             f'{{run="{run}",window="{WINDOW}"}})')
     if not compute:
         return f"{STRAGGLER} {alert['state']} and no compute samples to check it against: {alert}"
     median = statistics.median(compute.values())
@@ -115,14 +114,13 @@ def straggler_unexplained(prom: PrometheusServer, run: str, alert: dict[str, Any
 
 
 def compute_cv(prom: PrometheusServer, run: str) -> dict[str, float]:
-    """Each rank's coefficient of variation of compute per step over StragglerSlowdownHigh's
-    2-minute window, from the raw sums of compute, of its squares, and the step counts:
-    CV^2 = E[c^2] / E[c]^2 - 1."""
-    sel, window = f'{{run="{run}"}}', f"[{SHORT_WINDOW}]"
-    return _by_rank(prom, f"sqrt(clamp_min("
-                          f"rate(robust_step_compute_seconds_squared_total{sel}{window})"
-                          f" * rate(robust_step_compute_seconds_count{sel}{window})"
-                          f" / rate(robust_step_compute_seconds_sum{sel}{window}) ^ 2 - 1, 0))")
+    """Each rank's largest coefficient of variation of compute per step in StragglerSlowdownHigh's
+    2-minute window: the hook publishes it over the minute before each step (window 1m), so the
+    largest of those in the 2 minutes, which holds any burst of the 2 minutes (over fewer steps,
+    so at least as large as over all of them: the check errs towards explaining)."""
+    return _by_rank(prom, f"max without (window) (max_over_time("
+                          f'{schema.STEP_COMPUTE_VARIATION.name}{{run="{run}",window="1m"}}'
+                          f"[{SHORT_WINDOW}]))")
 
 
 def _by_rank(prom: PrometheusServer, expr: str) -> dict[str, float]:
@@ -149,7 +147,8 @@ def start_scraped_job(setup: dict[str, Any], run: str, args: list[str]) -> RankJ
     logs = setup["folder"] / f"logs-{run}"
     logs.mkdir(exist_ok=True)
     return RankJob(WORLD, ["--steps", "1000000", "--step-sleep", STEP_SLEEP, *args],
-                   env={"ROBUST_METRICS_PORT": str(setup["ports"][run])}, log_dir=logs, run=run)
+                   env={"ROBUST_METRICS_PORT": str(setup["ports"][run])},
+                   log_dir=logs, run=run)
 
 
 def start_sidecar_job(stack: dict[str, Any], run: str, args: list[str]) -> RankJob:

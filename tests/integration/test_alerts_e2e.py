@@ -122,11 +122,11 @@ class _Recorded:
         return {"alerts": self.active}
 
     def query(self, expr: str) -> list[dict[str, Any]]:
-        if "squared" in expr:
-            assert f"[{SHORT_WINDOW}]" in expr, expr
+        if "robust_step_compute_variation_ratio" in expr:
+            assert 'window="1m"' in expr and f"[{SHORT_WINDOW}]" in expr, expr
             values = self.cv
         else:
-            assert "robust_step_compute_seconds_sum" in expr and f"[{WINDOW}]" in expr, expr
+            assert "robust_step_compute_mean_seconds" in expr and f'window="{WINDOW}"' in expr, expr
             values = self.compute
         return [{"metric": {"rank": r}, "value": [0, str(v)]} for r, v in values.items()]
 

@@ -187,7 +187,7 @@ def test_a_1_3x_straggler_is_named_by_its_compute_time(stack: dict[str, Any], wh
 
 def test_a_1_1x_straggler_is_named_by_the_statistical_test(stack: dict[str, Any]) -> None:
     """A rank 1.1x slower never passes the fixed 1.2 ratio; SlowRank names it by its z against
-    the run's step-to-step spread (sums of squared compute from the real hook), held in 75% of
+    the run's step-to-step spread (the real hook's minute windows), held in 75% of
     3 minutes (12 s here): within 5 minutes at the defaults, 20 s at 1/15 scale."""
     prom, run, slow = stack["prom"], "slow-1.1x", 2
     with start_sidecar_job(stack, run, ["--compute", "0.1", "--slow-rank", str(slow), "--slow-factor",
