@@ -85,7 +85,7 @@ def test_sharded_groups_hold_the_per_rank_rules_and_the_rest_stays() -> None:
     groups = rules.load_groups()
     sharded = rule_shards.shard_by_rank(groups, 4)
     names = [g["name"] for g in sharded]
-    assert names.index("robust-step-compute-ranks-3") < names.index("robust-step-compute")
+    assert names.index("robust-topology-ranks-3") < names.index("robust-topology")
     per_rank = [r for g in groups for r in g["rules"]
                 if (r.get("record") or r.get("alert")) in rule_shards.PER_RANK_RULES]
     assert {r.get("record") or r.get("alert") for r in per_rank} == rule_shards.PER_RANK_RULES

@@ -284,10 +284,14 @@ def test_time_scale_changes_for_and_windows_but_not_ratios() -> None:
     assert "1.2\n" in fast["run_rank:robust_step_compute_seconds:over_ratio1m"]["expr"]
     assert "[8s]" in fast["SlowRank"]["expr"]
     assert "[4s]" in fast["run:robust_phase:resuming"]["expr"]
+    assert "offset 4s" in fast["run_rank:robust_step_compute_seconds:over_ratio1m"]["expr"]
     assert "[20s]" in fast["run:robust_steps:rate5m"]["expr"]
-    # the hook's windows are named by their production length at any scale (the hook scales them)
-    assert 'window="1m"' in fast["run:robust_step_compute_seconds:median1m"]["expr"]
-    assert 'window="5m"' in fast["run:robust_step_duration_seconds:median5m"]["expr"]
+    # the hook's windows scale with ROBUST_METRICS_TIME_SCALE; their label keeps the production
+    # length, so the selectors that read them stay as written
+    assert 'robust_step_compute_mean_seconds{window="1m"}' in \
+        fast["run_rank:robust_step_compute_seconds:over_ratio1m"]["expr"]
+    assert 'robust_step_duration_mean_seconds{window="5m"}' in \
+        fast["run:robust_step_duration_seconds:median5m"]["expr"]
     assert "2  # seconds" in fast["run:robust_step_duration_seconds:hang_threshold"]["expr"]
     assert "for" not in fast["TrainingHang"]
     with pytest.raises(ValueError, match="positive"):
