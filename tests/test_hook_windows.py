@@ -1,26 +1,16 @@
 """The step windows the hook keeps for the straggler rules (robust_metrics/hooks/windows.py):
-the means over the steps that ended within a window before the rank's last step, exactly as the
-rules used to derive them from the summaries, on the rank's clock."""
+the means over the steps that ended within a window before the rank's last step, on the rank's
+clock. What `watch()` publishes from them, and through which sinks: tests/test_hook.py."""
 
 from __future__ import annotations
 
 import math
 import time
-import urllib.request
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-import torch
-from prometheus_client import CollectorRegistry
-from prometheus_client.multiprocess import MultiProcessCollector
 
-import robust_metrics
 from robust_metrics.hooks.config import WatchOptions
-from robust_metrics.hooks.watch import Watch
-from robust_metrics.hooks.windows import PUBLISHED, StepWindows
-from tests.hook_models import make_model, train, value
-from tests.support import free_port
+from robust_metrics.hooks.windows import StepWindows
 
 
 def steps_every(seconds: float, count: int, computes: list[float]) -> StepWindows:
@@ -87,67 +77,6 @@ def test_the_time_scale_scales_every_window() -> None:
     for bad in (0, -1.0, math.nan):
         with pytest.raises(ValueError, match="time_scale"):
             StepWindows(time_scale=bad)
-
-
-@pytest.fixture
-def watched() -> Iterator[tuple[torch.nn.Module, torch.optim.Optimizer, list[Watch]]]:
-    model, optimizer = make_model()
-    handles: list[Watch] = []
-    yield model, optimizer, handles
-    for h in handles:
-        h.close()
-
-
-def start(watched_: tuple, **options: object) -> Watch:  # type: ignore[type-arg]
-    model, optimizer, handles = watched_
-    options = {"backend": "null", "run": "unit", "rank": 0, "world_size": 1, **options}
-    handle = robust_metrics.watch(model, optimizer, **options)
-    handles.append(handle)
-    return handle
-
-
-def test_watch_publishes_each_window_the_rules_read_from_the_steps_it_timed(
-        watched: tuple) -> None:  # type: ignore[type-arg]
-    handle = start(watched)
-    timed = iter([[(0.5, 0.2)], [(0.7, 0.1)], [(0.4, 0.4)], [(1.0, 0.0), (0.9, 0.3)]])
-    handle.steps.timed_steps = lambda host_seconds: next(timed)  # type: ignore[method-assign]
-    with pytest.raises(KeyError):  # no step yet: no window, never a placeholder 0
-        value(handle, "robust_step_compute_mean_seconds", window="1m")
-    train(watched[0], watched[1], 4)
-    computes, durations = [0.3, 0.6, 0.0, 1.0, 0.6], [0.5, 0.7, 0.4, 1.0, 0.9]
-    mean = sum(computes) / 5
-    for window in ("1m", "2m", "5m"):
-        assert value(handle, "robust_step_compute_mean_seconds", window=window) == \
-            pytest.approx(mean)
-    for window in ("2m", "5m"):
-        assert value(handle, "robust_step_duration_mean_seconds", window=window) == \
-            pytest.approx(sum(durations) / 5)
-    spread = math.sqrt(sum(c * c for c in computes) / 5 - mean * mean) / mean
-    assert value(handle, "robust_step_compute_variation_ratio", window="1m") == \
-        pytest.approx(spread)
-    assert value(handle, "robust_window_steps", window="1m") == 5
-    published = {(s.name, s.series.label_map().get("window")) for s in handle.store.samples()
-                 if "window" in s.series.spec.labels}
-    assert published == {(spec.name, w) for spec, windows in PUBLISHED for w in windows}
-
-
-@pytest.mark.parametrize("backend", ["multiprocess", "http"])
-def test_the_windows_are_served_by_the_sidecar_files_and_the_endpoint(
-        watched: tuple, tmp_path: Path, backend: str) -> None:  # type: ignore[type-arg]
-    port = free_port()
-    handle = start(watched, backend=backend, metrics_dir=str(tmp_path), port=port,
-                   flush_interval=0)
-    handle.steps.timed_steps = lambda host_seconds: [(0.5, 0.2)]  # type: ignore[method-assign]
-    train(watched[0], watched[1], 3)
-    if backend == "http":
-        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
-        assert b'robust_step_compute_mean_seconds{rank="0",run="unit",window="1m"} 0.3' in text
-        return
-    registry = CollectorRegistry()
-    MultiProcessCollector(registry, path=str(tmp_path))
-    got = registry.get_sample_value("robust_step_compute_mean_seconds",
-                                    {"run": "unit", "rank": "0", "window": "5m"})
-    assert got == pytest.approx(0.3)
 
 
 def test_the_time_scale_comes_from_the_environment_and_bad_values_are_refused() -> None:
