@@ -71,6 +71,15 @@ def test_trim_keeps_memory_to_the_longest_window_and_the_values_unchanged() -> N
     assert {name: windows.stats(name) for name in windows.lengths} == expected
 
 
+def test_memory_stays_bounded_when_nothing_reads_the_windows() -> None:
+    windows = StepWindows(time_scale=1 / 15)  # 5 minutes: 20 s
+    for i in range(200_000):  # 10 ms steps, 2,000 s, never read
+        windows.add(i * 0.01, 0.01, 0.005)
+    assert len(windows._marks) <= 2 * (20 / 0.01) + 4096 + 2
+    stats = windows.stats("5m")
+    assert stats is not None and stats.steps == 2000
+
+
 def test_the_time_scale_scales_every_window() -> None:
     windows = StepWindows(time_scale=1 / 15)
     assert windows.lengths == {"1m": 4.0, "2m": 8.0, "5m": 20.0}

@@ -40,6 +40,7 @@ PUBLISHED: tuple[tuple[schema.MetricSpec, tuple[str, ...]], ...] = (
 )
 
 _Mark = tuple[float, float, float, float, float]  # time, steps, duration, compute, squares
+_TRIM_AT = 4096  # marks kept before the training thread trims them itself (amortised)
 
 
 @dataclass(frozen=True)
@@ -55,8 +56,9 @@ class WindowStats:
 class StepWindows:
     """Cumulative sums marked at every step end; a window is the difference of two marks.
 
-    `add` is the training thread's only call (one tuple append); `stats` and `trim` run where
-    values are read, under a lock of their own.
+    `add` is the training thread's only call (one tuple append, and now and then a trim, so that
+    memory stays bounded by the longest window's steps even where nothing reads the values);
+    `stats` and `trim` run where values are read, under a lock of their own.
     """
 
     def __init__(self, time_scale: float = 1.0) -> None:
@@ -66,12 +68,17 @@ class StepWindows:
         self._longest = max(self.lengths.values())
         self._marks: list[_Mark] = [(-math.inf, 0.0, 0.0, 0.0, 0.0)]
         self._lock = threading.Lock()
+        self._trim_at = _TRIM_AT
 
     def add(self, at: float, duration: float, compute: float) -> None:
         """One timed step that ended at `at` (Unix time, the rank's clock)."""
-        _, steps, durations, computes, squares = self._marks[-1]
-        self._marks.append((at, steps + 1.0, durations + duration, computes + compute,
-                            squares + compute * compute))
+        marks = self._marks
+        _, steps, durations, computes, squares = marks[-1]
+        marks.append((at, steps + 1.0, durations + duration, computes + compute,
+                      squares + compute * compute))
+        if len(marks) >= self._trim_at:  # nothing may read the store (no scrape, no sink)
+            self.trim()
+            self._trim_at = 2 * len(self._marks) + _TRIM_AT
 
     @property
     def last_step(self) -> float | None:
