@@ -12,7 +12,8 @@ and alert is evaluated on both at the same instants (every 30 s), and the output
   `increase` read the last sample before the window, so a value crossing a threshold, or a
   counter that stopped, can be seen one evaluation apart; docs/victoriametrics.md);
 - recorded values agree within 5% (one sample of a 5 minute window at 15 s scrapes), with the
-  same allowance of one evaluation.
+  same allowance of one evaluation; those computed from the windows the hook publishes (the
+  straggler and slow-rank records) within 1e-6: both engines read the same numbers.
 
 When a checkpoint begins, an alert that was firing may take one more evaluation to resolve: rule
 groups are evaluated independently, so the straggler group can read the pause recorded by the
