@@ -40,7 +40,8 @@ proved against this model of what a GPU job does:
   (`Work.wait`: the compute stream waits), then the optimizer. With `dist_opt` the parameters
   are all-gathered after the optimizer step: with `overlap_param_gather` async, each layer's
   forward pre-hook waiting for its group's all-gather and issuing the next; without, as a sync
-  coalesced block that waits at once. Each collective finishes `transfer` after the last rank's
+  coalesced block, which NCCL runs on the compute stream itself (torch then waits on its work,
+  with nothing left to wait for). Each collective finishes `transfer` after the last rank's
   NCCL stream reached it.
 
 Each rank keeps one time per stream (compute, all-gather, reduce-scatter). The hook's estimator
@@ -334,6 +335,13 @@ class SimGroup:
 FSDP_GROUP, PP_GROUP, DP_GROUP = SimGroup("fsdp"), SimGroup("pp"), SimGroup("dp")
 
 
+@dataclass(frozen=True)
+class SimOptions:
+    """The options torch hands a process group's coalesced method (`AllgatherOptions`, ...)."""
+
+    asyncOp: bool  # torch's name
+
+
 class SimWork:
     """A `Work` of an isend/irecv; on NCCL its future completes at enqueue."""
 
@@ -437,6 +445,9 @@ class SimRank:
         c10d._world.pg_coalesce_state[group].append(args)
 
     def _coalesced(self, pg: Any, *args: Any) -> SimWork | None:
+        assert self._work is not None
+        if not args[-1].asyncOp:  # NCCL: a sync collective on the current stream
+            self._advance(self.src.current, self._work.end)
         return self._work
 
     def _wait(self, work: SimWork, timeout: Any = None) -> bool:
@@ -496,18 +507,30 @@ class SimRank:
         """`with _coalescing_manager(group, async_ops=True) as cm:` one call per bucket, issued
         at the block's end as one collective on NCCL's stream, from the compute stream's time
         now; returns the work `cm.wait()` waits on."""
+        self.fabric.arrive(key, self.src.streams[COMPUTE], self.job.transfer)
+        return self._issue(op, SimWork(key), buckets, async_op=True)
+
+    def coalesced_sync(self, op: str, key: tuple[Any, ...], buckets: int) -> Program:
+        """`with _coalescing_manager(group, async_ops=False):` the same block, run on the
+        compute stream, then torch's wait on its work."""
+        self.fabric.arrive(key, self.src.streams[COMPUTE], self.job.transfer)
+        end = yield key
+        work = SimWork(key)
+        work.end = self.comm_end = max(end, self.comm_end + self.job.transfer)
+        self.wait(self._issue(op, work, buckets, async_op=False))
+
+    def _issue(self, op: str, work: SimWork, buckets: int, async_op: bool) -> SimWork:
         state = c10d._world.pg_coalesce_state
         state[DP_GROUP] = []
         try:
             for _ in range(buckets):
-                self.bucket_calls[op](None, None, group=DP_GROUP, async_op=True)
+                self.bucket_calls[op](None, None, group=DP_GROUP, async_op=async_op)
         finally:
             recorded = state.pop(DP_GROUP)
         assert len(recorded) == buckets
-        self.fabric.arrive(key, self.src.streams[COMPUTE], self.job.transfer)
-        self._work = SimWork(key)
-        work = self.coalesced_calls[op](DP_GROUP, recorded)
-        assert work is self._work
+        self._work = work
+        issued = self.coalesced_calls[op](DP_GROUP, recorded, SimOptions(async_op))
+        assert issued is work
         return work
 
     def wait_in_order(self, work: SimWork) -> Program:
@@ -740,5 +763,4 @@ def _megatron_rank(job: SimJob, sim: SimRank, steps: list[Profile]) -> Program:
         sim.step_end(step)  # the inner torch optimizer's step: the hook's step end
         if job.dist_opt and not job.overlap_param_gather:  # start_param_sync, synchronous
             for i in range(layers):
-                yield from sim.wait_in_order(sim.coalesced("all_gather", ("ag", step, i),
-                                                           job.buckets))
+                yield from sim.coalesced_sync("all_gather", ("ag", step, i), job.buckets)

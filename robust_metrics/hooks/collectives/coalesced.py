@@ -5,9 +5,11 @@ Inside `with _coalescing_manager(group, async_ops=...) as cm:` a call such as `a
 op and returns a placeholder (`_IllegalWork`, or None when sync). At the block's end torch issues
 all of them as one collective through the process group's own method
 (`ProcessGroup.allreduce_coalesced`, `all_gather_single_coalesced`,
-`reduce_scatter_single_coalesced`) and keeps its work in `cm.works`; the caller waits with
-`cm.wait()`, which is `Work.wait` of that work (`work.py` times it). Megatron-core's
-`_ParamAndGradBucketGroup.start_grad_sync` and `start_param_sync` issue every bucket group's
+`reduce_scatter_single_coalesced`). Async (`async_ops=True`) it keeps the work in `cm.works` and
+the caller waits with `cm.wait()`, which is `Work.wait` of that work (`work.py` times it); sync,
+torch waits for the work at once, and the rank is blocked from the collective's issue, as in any
+sync call (on NCCL a sync collective may run on the current stream itself, ahead of that wait).
+Megatron-core's `_ParamAndGradBucketGroup.start_grad_sync` and `start_param_sync` issue every bucket group's
 reduce-scatter, all-reduce and all-gather this way, and hold `cm` as the handle they wait on.
 
 So a coalesced block is one collective, counted and completed where torch issues it: the
@@ -78,8 +80,12 @@ def wrap_coalesced(tracker: CollectiveTracker, op: str,
         finally:
             scope.depth -= 1
         try:
+            if not getattr(args[-1] if args else None, "asyncOp", True):
+                # a synchronous block: blocked from its issue on (on NCCL it may run on the
+                # current stream, before the wait torch makes next), and in that wait
+                tracker.timer.blocked(launch.begin)
             if work is None:
-                tracker.finish(launch)
+                tracker.settle(launch)
             else:
                 tracker.pending_work(work, launch)
         except Exception as exc:
