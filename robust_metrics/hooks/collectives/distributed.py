@@ -3,7 +3,9 @@
 
 Each collective function (`all_reduce`, `all_gather_single`, `reduce_scatter_single`, `isend`, ...)
 is wrapped in `torch.distributed` and `distributed_c10d` while a watch is active. A call that
-nests another (`all_gather_into_tensor` calls `all_gather_single`) counts once. A sync call blocks
+nests another (`all_gather_into_tensor` calls `all_gather_single`) counts once; a call inside a
+`_coalescing_manager` block only records its op and is counted where the block issues it
+(`coalesced.py`). A sync call blocks
 the rank throughout; an async one is completed by its work's future, or at its wait
 (`work.py`). A send or receive counts as entered per pair of ranks.
 """
