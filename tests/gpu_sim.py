@@ -28,7 +28,21 @@ proved against this model of what a GPU job does:
   schedule (pipelining/schedules.py): `irecv` and `isend` works (`_batch_p2p`), each receive
   waited with `Work.wait()` on the compute stream before the micro-batch's compute, sends waited
   where the schedule waits for them. A message completes `transfer` seconds after both its send
-  and its receive were reached on their ranks' compute streams.
+  and its receive were reached on their ranks' compute streams;
+- megatron: Megatron-core 0.16.1's DistributedDataParallel and distributed optimizer
+  (tests/megatron_like.py is the same job on gloo), one bucket group per layer of `buckets`
+  buckets. Backward: when a layer's gradients are ready its bucket group's reduction (a
+  reduce-scatter with `dist_opt`, else an all-reduce) is issued async inside
+  `_coalescing_manager` (the per-bucket calls only record their ops, the block's end issues
+  `ProcessGroup.*_coalesced`), on NCCL's stream, which starts it once the compute stream has got
+  there and the previous collective is done; in the first step each group is issued by
+  `finish_grad_sync` just before its wait instead (`is_first_batch`). `finish_grad_sync` waits on each handle
+  (`Work.wait`: the compute stream waits), then the optimizer. With `dist_opt` the parameters
+  are all-gathered after the optimizer step: with `overlap_param_gather` async, each layer's
+  forward pre-hook waiting for its group's all-gather and issuing the next; without, as a sync
+  coalesced block, which NCCL runs on the compute stream itself (torch then waits on its work,
+  with nothing left to wait for). Each collective finishes `transfer` after the last rank's
+  NCCL stream reached it.
 
 Each rank keeps one time per stream (compute, all-gather, reduce-scatter). The hook's estimator
 sees the simulation only through the `TimingSource` boundary: a mark is an event at the current
@@ -50,8 +64,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 from robust_metrics.hooks.collectives import CollectiveTracker, streams
+from robust_metrics.hooks.collectives.coalesced import wrap_coalesced
 from robust_metrics.hooks.collectives.distributed import wrap_call
 from robust_metrics.hooks.collectives.work import wrap_wait
 from robust_metrics.hooks.timing import StepTimer
@@ -78,7 +94,7 @@ class Profile:
 @dataclass(frozen=True)
 class SimJob:
     ranks: tuple[Profile, ...]
-    mode: str = "ddp"  # or "plain", "fsdp", "pp"
+    mode: str = "ddp"  # or "plain", "fsdp", "pp", "megatron"
     buckets: int = 4
     # seconds per bucket all-reduce (ddp), per plain all-reduce, per layer's all-gather (fsdp),
     # per pipeline message (pp)
@@ -91,6 +107,8 @@ class SimJob:
     reduce_scatter: float = 0.005  # fsdp: seconds per layer's reduce-scatter
     reshard: bool = True  # fsdp: reshard_after_forward (all-gather again in backward)
     microbatches: int = 4  # pp
+    dist_opt: bool = False  # megatron: the distributed optimizer (reduce-scatter, all-gather)
+    overlap_param_gather: bool = False  # megatron: all-gathers overlapped with the next forward
     schedule: str = "gpipe"  # pp: or "1f1b"
     # every mark counted on whatever stream it is taken, and no wait between streams seen: the
     # design before side streams were told apart from the step's (collectives/streams.py)
@@ -186,7 +204,7 @@ def _errors(where: str, exc: BaseException) -> None:
 
 
 def simulate(job: SimJob) -> SimResult:
-    if job.mode in ("fsdp", "pp"):
+    if job.mode in ("fsdp", "pp", "megatron"):
         return _simulate_streams(job)
     rng = random.Random(job.seed)
     n = len(job.ranks)
@@ -314,7 +332,14 @@ class SimGroup:
     group_desc: str
 
 
-FSDP_GROUP, PP_GROUP = SimGroup("fsdp"), SimGroup("pp")
+FSDP_GROUP, PP_GROUP, DP_GROUP = SimGroup("fsdp"), SimGroup("pp"), SimGroup("dp")
+
+
+@dataclass(frozen=True)
+class SimOptions:
+    """The options torch hands a process group's coalesced method (`AllgatherOptions`, ...)."""
+
+    asyncOp: bool  # torch's name
 
 
 class SimWork:
@@ -392,6 +417,14 @@ class SimRank:
         self.wait = wrap_wait(tracker, self._wait)
         self.record_event = streams.wrap_record_event(tracker, self._record_event)
         self.wait_event = streams.wrap_wait_event(tracker, self._wait_event)
+        # Megatron-core: per-bucket calls inside `_coalescing_manager`, and the process group's
+        # coalesced methods its block's end calls
+        self.bucket_calls = {op: wrap_call(tracker, name, op, self._record) for name, op in (
+            ("all_reduce", "all_reduce"), ("reduce_scatter_tensor", "reduce_scatter"),
+            ("all_gather_into_tensor", "all_gather"))}
+        self.coalesced_calls = {op: wrap_coalesced(tracker, op, self._coalesced)
+                                for op in ("all_reduce", "reduce_scatter", "all_gather")}
+        self.comm_end = 0.0  # when NCCL's stream finishes the last collective waited for
 
     # -- the fakes: what CUDA and NCCL do to the streams' times ------------------------------
     def _sync(self, output: Any, input: Any, op: Any = None, group: Any = None,
@@ -404,6 +437,17 @@ class SimRank:
 
     def _irecv(self, tensor: Any, src: int | None = None, group: Any = None, tag: int = 0,
                group_src: int | None = None) -> SimWork | None:
+        return self._work
+
+    def _record(self, *args: Any, group: Any = None, async_op: bool = False) -> None:
+        """A collective called inside `_coalescing_manager`: torch records the op, issues
+        nothing, and returns a placeholder work (None here)."""
+        c10d._world.pg_coalesce_state[group].append(args)
+
+    def _coalesced(self, pg: Any, *args: Any) -> SimWork | None:
+        assert self._work is not None
+        if not args[-1].asyncOp:  # NCCL: a sync collective on the current stream
+            self._advance(self.src.current, self._work.end)
         return self._work
 
     def _wait(self, work: SimWork, timeout: Any = None) -> bool:
@@ -459,6 +503,43 @@ class SimRank:
         assert work is self._work
         return work
 
+    def coalesced(self, op: str, key: tuple[Any, ...], buckets: int) -> SimWork:
+        """`with _coalescing_manager(group, async_ops=True) as cm:` one call per bucket, issued
+        at the block's end as one collective on NCCL's stream, from the compute stream's time
+        now; returns the work `cm.wait()` waits on."""
+        self.fabric.arrive(key, self.src.streams[COMPUTE], self.job.transfer)
+        return self._issue(op, SimWork(key), buckets, async_op=True)
+
+    def coalesced_sync(self, op: str, key: tuple[Any, ...], buckets: int) -> Program:
+        """`with _coalescing_manager(group, async_ops=False):` the same block, run on the
+        compute stream, then torch's wait on its work."""
+        self.fabric.arrive(key, self.src.streams[COMPUTE], self.job.transfer)
+        end = yield key
+        work = SimWork(key)
+        work.end = self.comm_end = max(end, self.comm_end + self.job.transfer)
+        self.wait(self._issue(op, work, buckets, async_op=False))
+
+    def _issue(self, op: str, work: SimWork, buckets: int, async_op: bool) -> SimWork:
+        state = c10d._world.pg_coalesce_state
+        state[DP_GROUP] = []
+        try:
+            for _ in range(buckets):
+                self.bucket_calls[op](None, None, group=DP_GROUP, async_op=async_op)
+        finally:
+            recorded = state.pop(DP_GROUP)
+        assert len(recorded) == buckets
+        self._work = work
+        issued = self.coalesced_calls[op](DP_GROUP, recorded, SimOptions(async_op))
+        assert issued is work
+        return work
+
+    def wait_in_order(self, work: SimWork) -> Program:
+        """`cm.wait()`: the compute stream waits for the work, which NCCL's stream ran after
+        the collective before it (works are waited for in the order they were issued)."""
+        end = yield work.key
+        work.end = self.comm_end = max(end, self.comm_end + self.fabric.transfers[work.key])
+        self.wait(work)
+
     def wait_all(self, works: list[SimWork]) -> Program:
         for work in works:
             work.end = yield work.key
@@ -494,7 +575,7 @@ def _simulate_streams(job: SimJob) -> SimResult:
         timer = StepTimer(source)
         view = RankView(rank, source, timer, CollectiveTracker(_errors, timer))
         ranks.append(SimRank(view, fabric, job))
-    program = _fsdp_rank if job.mode == "fsdp" else _pp_rank
+    program = {"fsdp": _fsdp_rank, "pp": _pp_rank, "megatron": _megatron_rank}[job.mode]
     _run(fabric, [program(job, sim, [row[sim.view.rank] for row in ops]) for sim in ranks])
     step_ends = [[sim.ends[step] for sim in ranks] for step in range(job.steps)]
     return SimResult([sim.view for sim in ranks], step_ends)
@@ -650,3 +731,36 @@ def _one_f_one_b(sim: SimRank, m: int, warmup: int, forward: float, backward: fl
         send_work = bwd_send()
         backwards += 1
     yield from sim.wait_all(send_work)
+
+
+def _megatron_rank(job: SimJob, sim: SimRank, steps: list[Profile]) -> Program:
+    """One data-parallel rank of Megatron-core 0.16.1 (distributed/param_and_grad_buffer.py
+    `_ParamAndGradBucketGroup`, distributed_data_parallel.py hooks, optimizer/distrib_optimizer.py
+    `step_with_ready_grads`): one bucket group per layer, `job.buckets` buckets in each."""
+    layers, reduce_op = job.layers, "reduce_scatter" if job.dist_opt else "all_reduce"
+    gathers: dict[int, SimWork] = {}  # layer -> its all-gather in flight (overlap_param_gather)
+    for step, ops in enumerate(steps):
+        forward, backward = ops.forward / layers, ops.backward / layers
+        for i in range(layers):
+            if job.dist_opt and job.overlap_param_gather:  # forward pre-hook: finish_param_sync
+                if i not in gathers:
+                    gathers[i] = sim.coalesced("all_gather", ("ag", step, i), job.buckets)
+                yield from sim.wait_in_order(gathers.pop(i))
+                if i + 1 < layers:
+                    gathers[i + 1] = sim.coalesced("all_gather", ("ag", step, i + 1),
+                                                   job.buckets)
+            sim.compute(forward)
+        reductions: list[SimWork] = []
+        for i in reversed(range(layers)):  # buckets ready in backward order
+            sim.compute(backward)
+            if step > 0:  # register_grad_ready: the group's last gradient issues its reduction
+                reductions.append(sim.coalesced(reduce_op, ("grad", step, i), job.buckets))
+        for i in reversed(range(layers)):  # finish_grad_sync, group by group: cm.wait()
+            if step == 0:  # is_first_batch: the group's reduction is issued here
+                reductions.append(sim.coalesced(reduce_op, ("grad", step, i), job.buckets))
+            yield from sim.wait_in_order(reductions.pop(0))
+        sim.compute(ops.optimizer)
+        sim.step_end(step)  # the inner torch optimizer's step: the hook's step end
+        if job.dist_opt and not job.overlap_param_gather:  # start_param_sync, synchronous
+            for i in range(layers):
+                yield from sim.coalesced_sync("all_gather", ("ag", step, i), job.buckets)

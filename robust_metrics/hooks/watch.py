@@ -153,14 +153,21 @@ class Watch:
     def _install_collectives(self) -> None:
         import torch.distributed as dist
 
-        from robust_metrics.hooks.collectives import ddp, distributed, funcol, streams, work
+        from robust_metrics.hooks.collectives import (
+            coalesced,
+            ddp,
+            distributed,
+            funcol,
+            streams,
+            work,
+        )
         from robust_metrics.hooks.timing import StepTimer, source_for
 
         tracker = self.tracker
         tracker.timer = StepTimer(source_for(self._cuda))  # CUDA events on GPU models
         self._patches.add(tracker.close)  # last at close: wrappers kept elsewhere step aside
-        for path in (distributed.DistributedCalls(), work.WorkWait(),
-                     funcol.FunctionalCollectives()):
+        for path in (distributed.DistributedCalls(), coalesced.CoalescedCalls(),
+                     work.WorkWait(), funcol.FunctionalCollectives()):
             self._install_path(path)
         if not tracker.timer.source.host:  # where the step's stream waits for FSDP2's
             self._install_path(streams.CudaStreams())

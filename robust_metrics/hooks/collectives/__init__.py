@@ -8,6 +8,9 @@ and where it is waited for, never by wrapping what it returns (FSDP2 checks
   `reduce_scatter_single`, `isend`, ...), wrapped while a watch is active: FSDP2, pipeline
   send/recv and `batch_isend_irecv`, user code. A call that nests another
   (`all_gather_into_tensor` calls `all_gather_single`) counts once;
+- `coalesced.py`: what `torch.distributed._coalescing_manager` issues as one collective at
+  the end of its block (Megatron-core's bucket reduce-scatters, all-reduces and all-gathers); the
+  `torch.distributed` wrappers step aside inside the block, whose calls only record their ops;
 - `work.py`: `Work.wait`, patched on the class: an async collective blocks its caller only there;
 - `funcol.py`: the functional collectives behind DTensor and tensor parallelism, issued by
   `funcol.all_reduce`, `funcol.all_gather_single`, ..., waited for in `funcol.wait_tensor`;

@@ -3,7 +3,9 @@
 
 Each collective function (`all_reduce`, `all_gather_single`, `reduce_scatter_single`, `isend`, ...)
 is wrapped in `torch.distributed` and `distributed_c10d` while a watch is active. A call that
-nests another (`all_gather_into_tensor` calls `all_gather_single`) counts once. A sync call blocks
+nests another (`all_gather_into_tensor` calls `all_gather_single`) counts once; a call inside a
+`_coalescing_manager` block only records its op and is counted where the block issues it
+(`coalesced.py`). A sync call blocks
 the rank throughout; an async one is completed by its work's future, or at its wait
 (`work.py`). A send or receive counts as entered per pair of ranks.
 """
@@ -80,11 +82,14 @@ def wrap_call(tracker: CollectiveTracker, fn_name: str, op: str,
 
     labels, scope = tracker.labels, tracker.calls  # looked up once: this runs per collective
     pairs: dict[tuple[str, int], str] = {}  # (group, peer) -> its pair label, per wrapper
+    coalescing = _coalescing_groups()
 
     @functools.wraps(original)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         if tracker.closed or scope.depth or compiling():
             return original(*args, **kwargs)
+        if coalescing and _coalesced(coalescing, argument(args, kwargs, "group", group_at)):
+            return original(*args, **kwargs)  # recorded only: issued at the block's end
         try:
             pg = argument(args, kwargs, "group", group_at)
             group = labels.get(id(pg)) or tracker.label(pg)
@@ -115,6 +120,25 @@ def wrap_call(tracker: CollectiveTracker, fn_name: str, op: str,
         return result
 
     return common.mark_wrapped(wrapper)
+
+
+def _coalescing_groups() -> dict[Any, Any]:
+    """The process groups inside a `_coalescing_manager` block now (torch's own dict, the same
+    object for the life of the process; empty when none, so the check costs one truth test).
+    A call on such a group only records its op; the block issues them as one collective,
+    counted by `coalesced.py`."""
+    try:
+        import torch.distributed.distributed_c10d as c10d
+
+        return c10d._world.pg_coalesce_state
+    except Exception:  # a torch without coalescing: nothing is ever inside a block
+        return {}
+
+
+def _coalesced(coalescing: dict[Any, Any], pg: Any) -> bool:
+    import torch.distributed as dist
+
+    return (pg if pg is not None else dist.distributed_c10d._get_default_group()) in coalescing
 
 
 def _peer(pg: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
