@@ -2,7 +2,9 @@
 
 It is what the demo uses to restart a `torchrun` job, and what a single-node user can use as is.
 The process of each run is started in its own session (process group), so a restart stops the
-whole tree (torchrun and its workers): SIGTERM to the group, `stop_timeout_s` to exit, then SIGKILL.
+whole tree (torchrun and its workers): SIGTERM to the group, `stop_timeout_s` to exit, then SIGKILL
+to the group and to every descendant found before the first signal (workers in sessions of their
+own, or stopped, included).
 
 The pid, its start time and the id of the last operation are kept in `state_dir/<run>.json` (the
 run name percent-encoded, so distinct runs never share a file), so a
@@ -202,15 +204,21 @@ class LocalScheduler:
         if proc is None:
             return None
         pgid = proc.pid  # started with start_new_session: the group is the leader's pid
+        tree = _descendants(proc)  # before any signal: a killed parent's children are orphaned
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pgid, signal.SIGTERM)
         if not self._wait_gone(proc, self.stop_timeout_s):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pgid, signal.SIGKILL)
             self._wait_gone(proc, 10.0)
-        # The leader is gone; stragglers of its group (workers that ignored SIGTERM) go too.
+        # The leader is gone; stragglers of its group (workers that ignored SIGTERM) go too,
+        # and descendants that left the group: a launcher may start its workers in sessions of
+        # their own, and a stopped worker (SIGSTOP) never acts on the SIGTERM it forwards.
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pgid, signal.SIGKILL)
+        for child in tree:
+            with contextlib.suppress(psutil.Error):
+                child.kill()  # psutil checks that the pid is still the same process
         self._reap(proc.pid)
         return proc.pid
 
@@ -277,6 +285,14 @@ class LocalScheduler:
         for pid, child in list(self._children.items()):
             if child.poll() is not None:
                 self._children.pop(pid, None)
+
+
+def _descendants(proc: psutil.Process) -> list[psutil.Process]:
+    """Every process started under `proc`, whatever its process group or session."""
+    try:
+        return proc.children(recursive=True)
+    except psutil.Error:
+        return []
 
 
 @register("local")
