@@ -569,23 +569,25 @@ def test_an_uncaught_exception_at_interpreter_exit_writes_when_the_rank_crashed(
 def test_the_step_windows_are_of_the_same_compute_the_summary_observes(watched: tuple) -> None:  # type: ignore[type-arg]
     """The straggler rules compare each rank's window means and spread: they must be of the same
     per-step compute the summary observes (step minus blocked time), every timed step counted
-    (a GPU step's events can time two steps at once), in every published window."""
+    (a GPU step's events can time two steps at once), in every published window; but the
+    first, timed from its first forward without the wait before it, which is no step time."""
     handle = start(watched)
     timed = iter([[(0.5, 0.2)], [(0.7, 0.1)], [(0.4, 0.4)], [(1.0, 0.0), (0.9, 0.3)]])
     handle.steps.timed_steps = lambda host_seconds: next(timed)  # type: ignore[method-assign]
     train(watched[0], watched[1], 4)
-    computes = [0.3, 0.6, 0.0, 1.0, 0.6]
     assert value(handle, "robust_step_compute_seconds_count") == 5
-    assert value(handle, "robust_step_compute_seconds_sum") == pytest.approx(sum(computes))
-    mean = sum(computes) / 5
+    assert value(handle, "robust_step_compute_seconds_sum") == pytest.approx(
+        0.3 + 0.6 + 0.0 + 1.0 + 0.6)
+    computes = [0.6, 0.0, 1.0, 0.6]  # the windows: every timed step but the first
+    mean = sum(computes) / 4
     for window in ("1m", "2m", "5m"):  # the steps took well under a second: all in every window
         assert value(handle, "robust_step_compute_mean_seconds", window=window) == pytest.approx(
             mean)
     for window in ("2m", "5m"):
         assert value(handle, "robust_step_duration_mean_seconds",
-                     window=window) == pytest.approx((0.5 + 0.7 + 0.4 + 1.0 + 0.9) / 5)
-    assert value(handle, "robust_window_steps", window="1m") == 5
-    spread = math.sqrt(sum((c - mean) ** 2 for c in computes) / 5)
+                     window=window) == pytest.approx((0.7 + 0.4 + 1.0 + 0.9) / 4)
+    assert value(handle, "robust_window_steps", window="1m") == 4
+    spread = math.sqrt(sum((c - mean) ** 2 for c in computes) / 4)
     assert value(handle, "robust_step_compute_variation_ratio", window="1m") == pytest.approx(
         spread / mean)
 
@@ -601,7 +603,7 @@ def test_the_step_windows_are_served_by_the_sidecar_files_and_the_endpoint(
     expected = {("robust_step_compute_mean_seconds", "1m"): 0.3,
                 ("robust_step_duration_mean_seconds", "5m"): 0.5,
                 ("robust_step_compute_variation_ratio", "1m"): 0.0,
-                ("robust_window_steps", "1m"): 3.0}
+                ("robust_window_steps", "1m"): 2.0}  # the first step is no step time
     if backend == "http":
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
         served = {(sample.name, sample.labels.get("window")): sample.value

@@ -8,9 +8,12 @@ import math
 import time
 
 import pytest
+import torch
 
+import robust_metrics
 from robust_metrics.hooks.config import WatchOptions
 from robust_metrics.hooks.windows import StepWindows
+from tests.hook_models import make_model, value
 
 
 def steps_every(seconds: float, count: int, computes: list[float]) -> StepWindows:
@@ -97,3 +100,32 @@ def test_the_time_scale_comes_from_the_environment_and_bad_values_are_refused() 
     for bad in (0, -2, math.inf, True):
         with pytest.raises(ValueError, match="time_scale"):
             WatchOptions.resolve({}, backend="null", time_scale=bad)
+
+
+def test_the_first_step_of_a_process_and_after_a_phase_is_left_out_of_the_windows() -> None:
+    """A restarted job's windows must not be its first, partial step alone: timed from the first
+    forward, it misses the wait before it (data, a sleep after the optimizer step), and a
+    threshold on the window's mean (badput's 2 median step times) would shrink with it."""
+    model, optimizer = make_model()
+    handle = robust_metrics.watch(model, optimizer, backend="null", run="unit", rank=0,
+                                  world_size=1)
+    try:
+        def steps(count: int) -> None:
+            for _ in range(count):
+                model(torch.randn(4, 8)).pow(2).mean().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                time.sleep(0.05)  # after the step, as a job that waits for its next batch
+
+        steps(3)
+        mean = value(handle, "robust_step_duration_mean_seconds", window="5m")
+        assert value(handle, "robust_window_steps", window="1m") == 2
+        assert mean >= 0.05, mean  # full steps only: each holds the wait
+        handle.phase("checkpoint")
+        time.sleep(0.2)
+        handle.phase("train")
+        steps(2)  # the first after the checkpoint is partial too
+        assert value(handle, "robust_window_steps", window="1m") == 3
+        assert value(handle, "robust_step_duration_mean_seconds", window="5m") >= 0.05
+    finally:
+        handle.close()

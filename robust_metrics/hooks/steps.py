@@ -74,6 +74,11 @@ class StepHooks:
          self._step_duration, self._step_compute, self._data_wait,
          self._gc_pause) = (store.series(spec) for spec in STEP_SERIES)
         self.windows = StepWindows(options.time_scale)
+        # Timed steps to leave out of the windows: the first of a process, or after a return to
+        # training, is timed from its first forward, without the wait before it, so it is no
+        # step time (a restarted job's first window would be that step alone, and a threshold
+        # on the window's mean would shrink with it).
+        self._window_skip = 1
         store.on_read(WindowPublisher(store, self.windows).refresh)
         # Only with flops_per_step: a job that does not count FLOPs spends no series on it.
         self._model_flops = (store.series(schema.MODEL_FLOPS)
@@ -144,7 +149,10 @@ class StepHooks:
             self._step_duration.observe(seconds)
             compute = max(0.0, seconds - blocked)
             self._step_compute.observe(compute)
-            self.windows.add(ended, seconds, compute)
+            if self._window_skip:
+                self._window_skip -= 1
+            else:
+                self.windows.add(ended, seconds, compute)
         self._steps.inc()
         if self._model_flops is not None:
             self._count_flops()
@@ -224,6 +232,7 @@ class StepHooks:
         checkpoint): counted in the next step, it would zero the waiting ranks' compute time and
         make the writer look slow. The timer's restart forgets both."""
         self.last_step_end = None
+        self._window_skip = 1
         self.tracker.timer.restart()
         self.awaiting_forward = True
 

@@ -10,6 +10,9 @@ A window holds the steps that ended within its length before the rank's last ste
 change only at step ends: a hung rank's last windows stay served (its process lives, its files
 stay), a dead rank's gauges vanish with its process, and a restarted rank starts new windows.
 A window is not cut at a phase change: after a checkpoint the minute still ends at the last step.
+The hook leaves out the first step of a process and the first after a return to training
+(`hooks/steps.py`): timed from its first forward, without the wait before it, it is no step time,
+and a restarted job's first window would be that step alone.
 
 The lengths follow the rules' time scale (`ROBUST_METRICS_TIME_SCALE`, as `robust-metrics rules
 --time-scale`); the `window` label names the production length whatever the scale.
