@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TypeVar
 
+import psutil
 import pytest
 
 from robust_metrics.processes import (
@@ -33,6 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 T = TypeVar("T")
 
 __all__ = ["EXAMPLE", "ROOT", "RankJob", "SidecarProcess", "free_port", "free_port_block",
+           "process_gone",
            "rank_job", "require_binary", "stop_process_group", "wait_until"]
 
 
@@ -43,6 +45,14 @@ def wait_until(predicate: Callable[[], T], timeout: float, interval: float = 0.1
         return wait_for(predicate, timeout, interval, message)
     except TimeoutError as exc:
         raise AssertionError(str(exc)) from None
+
+
+def process_gone(pid: int) -> bool:
+    """True once `pid` has exited: no such process, or a zombie its parent has yet to reap."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
 
 
 def require_binary(*names: str) -> str:

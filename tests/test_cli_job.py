@@ -9,13 +9,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 import yaml
 
 from robust_metrics.bridge.config import load
 from robust_metrics.bridge.service import Bridge
 from robust_metrics.cli import main
+from tests.support import process_gone
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(120)"]
 
@@ -36,12 +36,6 @@ def job(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "robust_metrics", "job", *args], cwd=cwd,
                           env=env, capture_output=True, text=True, timeout=60)
 
-
-def gone(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
 
 
 def test_a_run_started_by_the_command_is_restarted_and_stopped_by_the_bridge(
@@ -66,13 +60,13 @@ def test_a_run_started_by_the_command_is_restarted_and_stopped_by_the_bridge(
         restarted = local.restart("run-1", "test", key="incident#0")
         assert restarted.ok and restarted.data["stopped_pid"] == first, restarted.detail
         second = local.state("run-1")["pid"]
-        assert second != first and gone(first) and local.running("run-1")
+        assert second != first and process_gone(first) and local.running("run-1")
         status = job("status", "--config", str(config), "run-1", cwd=elsewhere)
         assert status.returncode == 0 and f"running as pid {second}" in status.stdout
         assert "generation 2" in status.stdout
 
         assert local.cancel("run-1", "test").ok
-        assert gone(second)
+        assert process_gone(second)
         status = job("status", "--config", str(config), "run-1", cwd=elsewhere)
         assert status.returncode == 3 and "not running" in status.stdout
 
@@ -81,7 +75,7 @@ def test_a_run_started_by_the_command_is_restarted_and_stopped_by_the_bridge(
         third = local.state("run-1")["pid"]
         stopped = job("stop", "--config", str(config), "run-1", cwd=elsewhere)
         assert stopped.returncode == 0 and f"stopped run run-1 (pid {third})" in stopped.stdout
-        assert gone(third) and not local.running("run-1")
+        assert process_gone(third) and not local.running("run-1")
     finally:
         local.cancel("run-1", "cleanup")
         bridge.close()

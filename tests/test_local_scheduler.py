@@ -9,10 +9,8 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
-
 from robust_metrics.bridge.schedulers.local import LocalScheduler
-from tests.support import wait_until
+from tests.support import process_gone, wait_until
 
 # A launcher that starts its worker in a session of its own (as a launcher may), and whose worker
 # ignores SIGTERM: only a SIGKILL aimed at the worker itself ends it.
@@ -25,12 +23,6 @@ open(sys.argv[1], "w").write(str(worker.pid))
 time.sleep(600)
 """
 
-
-def _gone(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
 
 
 def test_a_restart_stops_a_stopped_worker_that_left_the_run_s_process_group(
@@ -49,20 +41,20 @@ def test_a_restart_stops_a_stopped_worker_that_left_the_run_s_process_group(
         result = local.restart("run", "RankHang", key="k#0")
         assert result.ok, result
         deadline = time.monotonic() + 10
-        while not _gone(worker) and time.monotonic() < deadline:
+        while not process_gone(worker) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert _gone(worker), "the restart left the stopped worker of the old run behind"
+        assert process_gone(worker), "the restart left the stopped worker of the old run behind"
         new_worker = wait_until(lambda: pid_file.exists() and int(pid_file.read_text() or 0),
                                 timeout=30, message="the restarted launcher's worker")
         workers.append(new_worker)
         local.cancel("run", "test over")
         deadline = time.monotonic() + 10
-        while not _gone(new_worker) and time.monotonic() < deadline:
+        while not process_gone(new_worker) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert _gone(new_worker), "cancel left the worker behind"
+        assert process_gone(new_worker), "cancel left the worker behind"
     finally:
         local.cancel("run", "test over")
         for pid in workers:
-            if not _gone(pid):
+            if not process_gone(pid):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)

@@ -23,13 +23,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import psutil
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from robust_metrics import cli, processes, rules
-from tests.support import ROOT, free_port, require_binary, wait_until
+from tests.support import ROOT, free_port, process_gone, require_binary, wait_until
 
 pytestmark = [
     pytest.mark.skipif("job" not in cli.COMMANDS, reason=(
@@ -169,15 +168,9 @@ def _follow_the_page(folder: Path, env: dict[str, str], ports: dict[str, int],
         _continue(stopped_pid)  # a stopped rank the restart left behind dies of its SIGTERM
 
 
-def _gone(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
-
 
 def _continue(pid: int) -> None:
-    if not _gone(pid):
+    if not process_gone(pid):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGCONT)
 
@@ -201,7 +194,7 @@ def _restarted_and_resumed(folder: Path, env: dict[str, str], ports: dict[str, i
     assert list(steps) == ["dump_stacks", "restart"]  # a hang: no checkpoint first
     assert steps["restart"]["status"] == "success", steps
     assert steps["restart"]["data"]["stop_notice"].startswith("seen by Prometheus"), steps
-    assert _gone(stopped_pid), "the restart left the stopped rank behind"
+    assert process_gone(stopped_pid), "the restart left the stopped rank behind"
     resumed = wait_until(lambda: re.findall(r"rank 0: resumed from step (\d+)", log.read_text()),
                          180, 0.5, message="the restarted job to resume from its checkpoint")
     assert int(resumed[-1]) >= 50
