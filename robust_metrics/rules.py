@@ -25,6 +25,8 @@ import yaml
 from robust_metrics import rule_shards
 
 __all__ = [
+    "NODE_SUMMARY_GROUP",
+    "NODE_SUMMARY_SOURCES",
     "RULES_DIR",
     "RUNBOOK_BASE",
     "alerts",
@@ -40,6 +42,11 @@ __all__ = [
 
 RULES_DIR = Path(__file__).resolve().parent / "alert_rules"
 """Where the rule sources live: `alert_rules/` of the checkout, packaged with robust_metrics."""
+
+NODE_SUMMARY_GROUP = "robust-node-summaries"
+"""The group that records the per-node window summaries from the ranks' own series, for
+deployments without the sidecar, which publishes them itself (alert_rules/node_summaries.yml)."""
+NODE_SUMMARY_SOURCES = ("rules", "sidecar")
 
 RUNBOOK_BASE = "https://github.com/robust-metrics/robust-metrics/blob/main/alert_rules/RUNBOOK.md"
 FORMATS = ("plain", "prometheus-operator")
@@ -129,10 +136,19 @@ def _scale_rule(rule: dict[str, Any], factor: float, runbook_base: str) -> dict[
 
 
 def load_groups(directory: Path = RULES_DIR, *, time_scale: float = 1.0,
-                runbook_base: str = RUNBOOK_BASE) -> list[dict[str, Any]]:
-    """Every rule group of every source file, rescaled by `time_scale` (1: as written)."""
+                runbook_base: str = RUNBOOK_BASE,
+                node_summaries: str = "rules") -> list[dict[str, Any]]:
+    """Every rule group of every source file, rescaled by `time_scale` (1: as written).
+
+    `node_summaries="sidecar"` leaves out the group that records the per-node summaries of the
+    ranks' windows from every rank's series: where a sidecar on every node publishes them, that
+    group is the only rule work that still grows with ranks (`"rules"`, the default, keeps it
+    and is right for any deployment: it skips runs whose sidecars publish summaries)."""
     if not time_scale > 0:
         raise ValueError(f"time scale must be a positive number, got {time_scale}")
+    if node_summaries not in NODE_SUMMARY_SOURCES:
+        raise ValueError(f"node summaries from {node_summaries!r}: choose one of "
+                         f"{', '.join(NODE_SUMMARY_SOURCES)}")
     groups: list[dict[str, Any]] = []
     seen: dict[str, Path] = {}
     for path in rule_files(directory):
@@ -144,6 +160,8 @@ def load_groups(directory: Path = RULES_DIR, *, time_scale: float = 1.0,
             if name in seen:
                 raise ValueError(f"{path}: rule group {name!r} also defined in {seen[name]}")
             seen[name] = path
+            if name == NODE_SUMMARY_GROUP and node_summaries == "sidecar":
+                continue
             out = {k: v for k, v in group.items() if k != "rules"}
             if "interval" in out:
                 out["interval"] = scale_duration(str(out["interval"]), time_scale)
@@ -254,6 +272,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         "thousands of ranks, where one group's evaluation would take seconds. "
                         "Chained alerts fire up to one evaluation interval later. Default: 1 "
                         f"(no split); at most {rule_shards.MAX_SHARDS}")
+    parser.add_argument("--node-summaries", choices=NODE_SUMMARY_SOURCES, default="rules",
+                        help="who computes the per-node summaries of the ranks' step windows "
+                        "that the run-level straggler rules read. rules (default): a rule group "
+                        "records them from every rank's series, right for any deployment (runs "
+                        "whose sidecars publish them are skipped), but its work grows with ranks; "
+                        "sidecar: leave that group out, for a fleet where `robust-metrics "
+                        "sidecar` runs on every node (its node_windows collector publishes them), "
+                        "so that the rule work per round grows with nodes (docs/sizing.md)")
     parser.add_argument("--rules-dir", type=Path, default=RULES_DIR, metavar="DIR",
                         help="read rule sources from DIR instead of the packaged ones")
 
@@ -263,7 +289,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         groups = rule_shards.shard_by_rank(
             load_groups(args.rules_dir, time_scale=args.time_scale,
-                        runbook_base=args.runbook_url.rstrip("#")),
+                        runbook_base=args.runbook_url.rstrip("#"),
+                        node_summaries=args.node_summaries),
             args.rank_shards)
     except (OSError, ValueError, yaml.YAMLError) as exc:
         print(f"robust-metrics rules: {exc}", file=sys.stderr)
@@ -273,6 +300,8 @@ def run(args: argparse.Namespace) -> int:
         header += f" --time-scale {args.time_scale:g}"
     if args.rank_shards != 1:
         header += f" --rank-shards {args.rank_shards}"
+    if args.node_summaries != "rules":
+        header += f" --node-summaries {args.node_summaries}"
     text = render(groups, args.format, name=args.name, namespace=args.namespace,
                   labels=dict(args.label), header_args=header)
     if args.out == "-":

@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 __all__ = [
+    "NODE_SUMMARY_LABELS",
     "PHASES",
     "RANK_INFO_LABELS",
     "RANK_LABELS",
@@ -92,6 +93,8 @@ class MetricSpec:
 
     def sample_names(self) -> tuple[str, ...]:
         """Names of the samples this metric exposes in the text format."""
+        if self.type is MetricType.SUMMARY and "quantile" in self.labels:
+            return (self.name, f"{self.name}_sum", f"{self.name}_count")
         if self.type is MetricType.SUMMARY:
             return (f"{self.name}_sum", f"{self.name}_count")
         if self.type is MetricType.HISTOGRAM:
@@ -382,6 +385,44 @@ RANK_EXIT_LAST_STEP_TIMESTAMP = _declare(
     "Unix time of an exited rank's last completed step, read from its files after its exit (only "
     "for exited processes that stepped): proof that a restarted run trained, on the rank's clock, "
     "when no scrape caught it alive.", source=SIDECAR, unit="seconds", on_event=True,
+)
+# Per-node summaries of the ranks' step windows (sidecar/collectors/node_windows.py): the run-level
+# straggler rules read one series per node and stage instead of one per rank (docs/architecture.md,
+# "edge first"). Each is a summary over the node's ranks of one pipeline stage (pp_rank, absent
+# without a pipeline): quantile 0 is their minimum, 0.5 their median, 1 their maximum. Without a
+# sidecar the rule group robust-node-summaries records the same series from the ranks' own.
+NODE_SUMMARY_LABELS: tuple[str, ...] = ("run", "node", "pp_rank", "window", "quantile")
+NODE_STEP_COMPUTE_MEAN = _declare(
+    "robust_node_step_compute_mean_seconds", S,
+    "Over the node's ranks of one stage with a positive robust_step_compute_mean_seconds of "
+    "`window`: its quantiles 0, 0.5 and 1, its sum and the number of ranks.",
+    labels=NODE_SUMMARY_LABELS, source=SIDECAR, unit="seconds",
+)
+NODE_STEP_DURATION_MEAN = _declare(
+    "robust_node_step_duration_mean_seconds", S,
+    "Over the node's ranks of one stage with a positive robust_step_duration_mean_seconds of "
+    "`window`: its median (quantile 0.5).",
+    labels=NODE_SUMMARY_LABELS, source=SIDECAR, unit="seconds",
+)
+NODE_STEP_BLOCKED_MEAN = _declare(
+    "robust_node_step_blocked_mean_seconds", S,
+    "Over the node's ranks of one stage: the least mean time blocked in collectives per step "
+    "(robust_step_duration_mean_seconds minus robust_step_compute_mean_seconds of `window`, at "
+    "least 0) of any of them (quantile 0): the run's ideal communication time comes from the "
+    "rank that waits least.",
+    labels=NODE_SUMMARY_LABELS, source=SIDECAR, unit="seconds",
+)
+NODE_STEP_COMPUTE_VARIATION = _declare(
+    "robust_node_step_compute_variation_ratio", S,
+    "Over the node's ranks of one stage: the median (quantile 0.5) of "
+    "robust_step_compute_variation_ratio of `window`.",
+    labels=NODE_SUMMARY_LABELS, source=SIDECAR,
+)
+NODE_WINDOW_STEPS = _declare(
+    "robust_node_window_steps", S,
+    "Over the node's ranks of one stage: the median (quantile 0.5) of robust_window_steps of "
+    "`window`.",
+    labels=NODE_SUMMARY_LABELS, source=SIDECAR,
 )
 RANK_STEP_AGE = _declare(
     "robust_rank_step_age_seconds", G,

@@ -32,7 +32,7 @@ from robust_metrics.workloads.straggler_series import (
 __all__ = ["CASES", "PATH", "Case", "render"]
 
 PATH = Path(__file__).resolve().parent.parent / "alert_rules" / "tests" / "stragglers_stat_test.yml"
-RULE_FILES = ("../training.yml", "../stragglers.yml", "../attribution.yml")
+RULE_FILES = ("../node_summaries.yml", "../training.yml", "../stragglers.yml", "../attribution.yml")
 RUNBOOK = f"{rules.RUNBOOK_BASE}#slowrank"
 SUMMARY = "One rank computes markedly slower than the run's median rank."
 SLOWDOWN = "StragglerSlowdownHigh"
@@ -85,6 +85,9 @@ CASES = [
          run_silent=[(15, 1200)], silent=[(15, 1200)],
          exprs=[("(run:robust_step_compute_seconds:stddev1m > 0.03) < bool 0.04", 600,
                  '{run="d"}', 1),
+                # the ranks' coefficient of variation, 0.1 / sqrt(3), their median as a node's
+                ('(robust_node_step_compute_variation_ratio{quantile="0.5"} > 0.05) < bool 0.065',
+                 600, '{run="d",window="1m",quantile="0.5"}', 1),
                 ("count by (run) (run_rank:robust_step_compute_seconds:zscore1m)", 600,
                  '{run="d"}', 8)]),
     Case("CPU contention that moves to another rank every minute (1.25x, as seen on a busy "

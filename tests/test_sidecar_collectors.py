@@ -33,6 +33,7 @@ from robust_metrics.sidecar.collectors.nccl_ras import (
     parse_text_report,
 )
 from robust_metrics.sidecar.collectors.nic import NicCollector, parse_rate
+from robust_metrics.sidecar.collectors.node_windows import NodeWindowsCollector
 from robust_metrics.sidecar.collectors.nvml import NvmlCollector
 from robust_metrics.sidecar.collectors.process import (
     WRITES_STALE_AFTER,
@@ -79,6 +80,7 @@ def test_every_name_a_collector_exports_is_declared_in_the_schema(tmp_path: Path
     store.series(schema.STEPS_TOTAL).inc()
     store.series(schema.LAST_STEP_TIMESTAMP).set(time.time())
     store.series(schema.STEP_DURATION).observe(0.1)
+    store.series(schema.STEP_COMPUTE_MEAN, window="1m").set(0.1)
     sink = MultiprocessSink(str(tmp_path))
     sink.flush(store)
     (tmp_path / "ranks").mkdir()
@@ -88,6 +90,7 @@ def test_every_name_a_collector_exports_is_declared_in_the_schema(tmp_path: Path
     nvml = two_gpus()
     nvml.gpus[0].pids = [os.getpid()]
     registry = registry_of(ranks=RanksCollector(folder), process=ProcessCollector(folder),
+                           node_windows=NodeWindowsCollector(folder, "n1"),
                            nic=NicCollector(str(SYSFS), "n1"),
                            nvml=NvmlCollector("n1", folder, nvml=nvml, xid_events=False))
     declared = schema.sample_names()
@@ -95,10 +98,16 @@ def test_every_name_a_collector_exports_is_declared_in_the_schema(tmp_path: Path
     for metric in registry.collect():
         for s in metric.samples:
             assert s.name in declared, f"{s.name} is not declared in robust_metrics.schema"
-            assert set(s.labels) == set(declared[s.name].labels), s.name
+            if declared[s.name].labels == schema.NODE_SUMMARY_LABELS:
+                # a summary's _sum and _count have no quantile; a node without a pipeline no stage
+                assert set(declared[s.name].labels) - {"quantile", "pp_rank"} <= set(s.labels)
+                assert set(s.labels) <= set(declared[s.name].labels), s.name
+            else:
+                assert set(s.labels) == set(declared[s.name].labels), s.name
             seen.add(s.name)
     assert {"robust_rank_process_alive", "robust_rank_step_age_seconds", "robust_steps_total",
-            "robust_rank_gpu_info", "robust_sidecar_corrupt_files_total"} <= seen
+            "robust_rank_gpu_info", "robust_sidecar_corrupt_files_total",
+            "robust_node_step_compute_mean_seconds_count"} <= seen
     sink.close(store)
     folder.close()
 
@@ -365,7 +374,8 @@ def test_failing_collector_costs_its_series_not_the_scrape() -> None:
 
 
 def test_every_collector_is_registered_with_a_flag() -> None:
-    assert set(available()) == {"ranks", "process", "nvml", "nic", "nccl", "selftest"}
+    assert set(available()) == {"ranks", "node_windows", "process", "nvml", "nic", "nccl",
+                                "selftest"}
 
 
 class Constant:

@@ -6,6 +6,14 @@ the registry finds every collector in it. The registry imports no collector: not
 in a circle.
 """
 
-from robust_metrics.sidecar.collectors import nccl_ras, nic, nvml, process, ranks, selftest
+from robust_metrics.sidecar.collectors import (
+    nccl_ras,
+    nic,
+    node_windows,
+    nvml,
+    process,
+    ranks,
+    selftest,
+)
 
-__all__ = ["nccl_ras", "nic", "nvml", "process", "ranks", "selftest"]
+__all__ = ["nccl_ras", "nic", "node_windows", "nvml", "process", "ranks", "selftest"]
