@@ -8,8 +8,11 @@ vmalert, scraping a synthetic 16,384-rank job.
 
 A synthetic exporter serves, for every rank, the series the hook publishes in-process (every rank
 metric of the schema, one op/group for the collective metrics, three phases) plus the per-rank
-series of the node sidecar (liveness, CPU, memory, step age, GPU mapping), split over one scrape
-target per 512 ranks (a node sidecar serves 8; the split only changes scrape parallelism). Rank 7
+series of the node sidecar (liveness, CPU, memory, step age, GPU mapping) and, per node of 8
+ranks, the sidecar's summaries of its ranks' step windows (computed by the sidecar's own
+`node_summaries.summarise`), split over one scrape target per 512 ranks (a node sidecar serves 8;
+the split only changes scrape parallelism). The rules are rendered for that deployment
+(`--node-summaries sidecar`) unless told otherwise. Rank 7
 computes 50% longer than the others so the straggler rules have something to find. Prometheus
 evaluates the shipped rules at production intervals (15 s), and the benchmark reports each rule
 group's evaluation time (`evaluationTime` of /api/v1/rules, the value of
@@ -68,6 +71,12 @@ from robust_metrics.processes import (
     VMAlert,
     alertmanager,
     free_port,
+)
+from robust_metrics.sidecar.collectors.node_summaries import (
+    PROCESS_SUMMARIES,
+    SUMMARIES,
+    RankValue,
+    summarise,
 )
 from robust_metrics.sidecar.collectors.nvml import THROTTLE_REASONS
 
@@ -164,11 +173,62 @@ def rank_specs(flops: bool = False, gpu_series: bool = False) -> list[schema.Met
             and m.source in (schema.Source.RANK, schema.Source.SIDECAR)]
 
 
+# the window values of a steady rank (Exporter.values) and of rank 7; the steps of the last
+# minute grow for the first minute, so they stay a placeholder
+RANK_WINDOWS = {"robust_step_compute_mean_seconds": (0.6, 0.9),
+                "robust_step_duration_mean_seconds": (1.0, 1.0),
+                "robust_step_compute_variation_ratio": (0.03 / 0.6, 0.03 / 0.9)}
+STEPS_PLACEHOLDER = -1.0
+
+
+def node_summary_lines(ranks: Sequence[int], node: int) -> list[str]:
+    """What the node's sidecar publishes of its ranks' windows (node_summaries.summarise, the
+    sidecar's own code, on the values the ranks serve) and of their progress."""
+    windows = [RankValue(RUN, str(rank), metric, window, values[rank == SLOW_RANK])
+               for rank in ranks for spec, names in PUBLISHED for window in names
+               for metric, values in RANK_WINDOWS.items() if metric == spec.name]
+    windows += [RankValue(RUN, str(rank), schema.WINDOW_STEPS.name, "1m", STEPS_PLACEHOLDER)
+                for rank in ranks]
+    lines = []
+    for family in summarise(windows, f"node{node}", {}):
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sample.labels.items())
+            value = ("%(window_steps)s" if sample.value == STEPS_PLACEHOLDER
+                     else f"{sample.value:.6g}")
+            lines.append(f"{sample.name}{{{labels}}} {value}")
+    return lines + progress_summary_lines(len(ranks), node)
+
+
+def progress_summary_lines(ranks: int, node: int) -> list[str]:
+    """The node's summaries of its ranks' progress. Every synthetic rank steps alike, so a
+    quantile is any rank's value and a sum `ranks` times it (keys `KEY_times_N` of
+    Exporter.values)."""
+    lines = []
+    for summary in (*SUMMARIES, *PROCESS_SUMMARIES):
+        if summary.key == "window":
+            continue
+        for key in (schema.PHASES if summary.key == "phase" else ("",)):
+            labels = f'run="{RUN}",node="node{node}"' + (f',phase="{key}"' if key else "")
+            value = ("one" if key == "train" else "zero") if key else SAMPLE_KEYS.get(
+                summary.source, "one")
+            name = summary.spec.name
+            for statistic in summary.statistics:
+                if statistic == "count":
+                    lines.append(f"{name}_count{{{labels}}} {ranks}")
+                elif statistic == "sum":
+                    lines.append(f"{name}_sum{{{labels}}} %({value}_times_{ranks})s")
+                else:
+                    lines.append(f'{name}{{{labels},quantile="{statistic}"}} %({value})s')
+    return lines
+
+
 def shard_template(ranks: range, flops: bool = False, gpu_series: bool = False) -> str:
     lines = []
     specs = rank_specs(flops, gpu_series)
     for rank in ranks:
         node = rank // 8
+        if rank % 8 == 0:
+            lines.extend(node_summary_lines(range(rank, min(rank + 8, ranks.stop)), node))
         for spec in specs:
             for labels in _labels(spec, rank, node):
                 for sample in spec.sample_names():
@@ -214,6 +274,13 @@ class Exporter:
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
     def values(self) -> dict[str, str]:
+        values = self._values()
+        for n in range(1, 9):  # a node's sums (progress_summary_lines)
+            for key in ("steps", "loss", "one"):
+                values[f"{key}_times_{n}"] = f"{n * float(values[key]):.3f}"
+        return values
+
+    def _values(self) -> dict[str, str]:
         now = time.time()
         t = now - self.start
         return {"steps": f"{t:.3f}", "now": f"{now:.3f}", "start": f"{self.start:.3f}",
@@ -864,6 +931,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rank-shards", type=int, default=1, metavar="N",
                         help="evaluate the rules as `robust-metrics rules --rank-shards N` "
                              "renders them: per-rank rules split over N groups of ranks")
+    parser.add_argument("--node-summaries", choices=rules.NODE_SUMMARY_SOURCES,
+                        default="sidecar",
+                        help="sidecar (default): the rules as rendered for a fleet with a sidecar "
+                             "on every node, whose summaries of its ranks' windows the exporter "
+                             "serves (one set per 8 ranks); rules: with the rule group that "
+                             "records them from every rank's series as well (which skips the "
+                             "run, since the summaries are served, but reads every rank)")
     parser.add_argument("--gpu-series", action="store_true",
                         help="every rank has its own GPU, and its sidecar serves the series NVML "
                              "gives for a healthy GPU (all but the NVLink counters): the GPU "
@@ -890,7 +964,8 @@ def main(argv: list[str] | None = None) -> int:
                         default="/tmp/robust-metrics-placement/{k}/rules.yml",
                         help="candidate paths for --score-placements, {k} the candidate's number")
     args = parser.parse_args(argv)
-    args.groups = rule_shards.shard_by_rank(rules.load_groups(), args.rank_shards)
+    args.groups = rule_shards.shard_by_rank(
+        rules.load_groups(node_summaries=args.node_summaries), args.rank_shards)
     if args.score_placements is not None:
         try:
             if args.placement_pattern.format(k=0) == args.placement_pattern.format(k=1):
@@ -933,6 +1008,7 @@ def main(argv: list[str] | None = None) -> int:
                   for i in range(len(exporter.templates))]
         result: dict[str, object] = {"ranks": args.ranks, "interval": args.interval,
                                      "rank_shards": args.rank_shards,
+                                     "node_summaries": args.node_summaries,
                                      "rule_file": str(rule_file),
                                      "scraped_series_per_rank": exporter.series / args.ranks}
         if args.engine in ("victoriametrics", "both"):

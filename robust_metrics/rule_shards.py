@@ -29,7 +29,6 @@ __all__ = ["MAX_SHARDS", "PER_RANK_RULES", "rank_regex", "shard_by_rank", "shard
 
 PER_RANK_RULES = frozenset({
     "run_rank:robust_rank_info:last",
-    "run_rank:robust_step_age_seconds:max",
     "NonFiniteLoss",
 })
 """Rules computed rank by rank, with no comparison between ranks inside the expression, and

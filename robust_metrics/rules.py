@@ -278,7 +278,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         "records them from every rank's series, right for any deployment (runs "
                         "whose sidecars publish them are skipped), but its work grows with ranks; "
                         "sidecar: leave that group out, for a fleet where `robust-metrics "
-                        "sidecar` runs on every node (its node_windows collector publishes them), "
+                        "sidecar` runs on every node (its node_summaries collector publishes them), "
                         "so that the rule work per round grows with nodes (docs/sizing.md)")
     parser.add_argument("--rules-dir", type=Path, default=RULES_DIR, metavar="DIR",
                         help="read rule sources from DIR instead of the packaged ones")

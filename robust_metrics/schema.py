@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 __all__ = [
+    "NODE_PROGRESS_LABELS",
     "NODE_SUMMARY_LABELS",
     "PHASES",
     "RANK_INFO_LABELS",
@@ -386,7 +387,7 @@ RANK_EXIT_LAST_STEP_TIMESTAMP = _declare(
     "for exited processes that stepped): proof that a restarted run trained, on the rank's clock, "
     "when no scrape caught it alive.", source=SIDECAR, unit="seconds", on_event=True,
 )
-# Per-node summaries of the ranks' step windows (sidecar/collectors/node_windows.py): the run-level
+# Per-node summaries of the ranks' step windows (sidecar/collectors/node_summaries.py): the run-level
 # straggler rules read one series per node and stage instead of one per rank (docs/architecture.md,
 # "edge first"). Each is a summary over the node's ranks of one pipeline stage (pp_rank, absent
 # without a pipeline): quantile 0 is their minimum, 0.5 their median, 1 their maximum. Without a
@@ -423,6 +424,66 @@ NODE_WINDOW_STEPS = _declare(
     "Over the node's ranks of one stage: the median (quantile 0.5) of robust_window_steps of "
     "`window`.",
     labels=NODE_SUMMARY_LABELS, source=SIDECAR,
+)
+# Per-node summaries of the ranks' progress, read by the run-level hang, badput, ETTR,
+# throughput, checkpoint and numerics rules (labels: run, node, and phase or quantile).
+NODE_PROGRESS_LABELS: tuple[str, ...] = ("run", "node", "quantile")
+NODE_RANK_STEP_AGE = _declare(
+    "robust_node_rank_step_age_seconds", S,
+    "Over the node's ranks that have neither exited nor finished: the least "
+    "robust_rank_step_age_seconds (quantile 0). No rank of the run has stepped for the least of "
+    "these over the run's nodes.",
+    labels=NODE_PROGRESS_LABELS, source=SIDECAR, unit="seconds",
+)
+NODE_RANK_PROCESS_ALIVE = _declare(
+    "robust_node_rank_process_alive", S,
+    "Over the node's rank processes: whether any is alive (quantile 1), and how many there are "
+    "(_count), alive or exited.",
+    labels=NODE_PROGRESS_LABELS, source=SIDECAR,
+)
+NODE_GLOBAL_STEP = _declare(
+    "robust_node_global_step", S,
+    "Over the node's ranks: the highest robust_global_step (quantile 1).",
+    labels=NODE_PROGRESS_LABELS, source=SIDECAR,
+)
+NODE_STEPS = _declare(
+    "robust_node_steps", S,
+    "Over the node's ranks: the sum of their robust_steps_total (_sum, a counter that drops "
+    "when a rank restarts) and how many ranks count steps (_count).",
+    labels=NODE_PROGRESS_LABELS, source=SIDECAR,
+)
+NODE_COLLECTIVES_ENTERED = _declare(
+    "robust_node_collectives_entered", S,
+    "Over the node's ranks: the sum of robust_collectives_entered_total over every process "
+    "group (_sum): it grows while any of them enters collectives.",
+    labels=NODE_PROGRESS_LABELS, source=SIDECAR,
+)
+NODE_PHASE = _declare(
+    "robust_node_phase", S,
+    "Over the node's ranks: the least (quantile 0) and the greatest (quantile 1) robust_phase "
+    "of each `phase`: some rank is out of training when train's least is 0, in a checkpoint "
+    "when checkpoint's greatest is 1.",
+    labels=("run", "node", "phase", "quantile"), source=SIDECAR,
+)
+NODE_LAST_STEP_TIMESTAMP = _declare(
+    "robust_node_last_step_timestamp_seconds", S,
+    "Over the node's ranks: the latest robust_last_step_timestamp_seconds (quantile 1).",
+    labels=NODE_PROGRESS_LABELS, source=SIDECAR, unit="seconds",
+)
+NODE_LAST_CHECKPOINT_TIMESTAMP = _declare(
+    "robust_node_last_checkpoint_timestamp_seconds", S,
+    "Over the node's ranks: the latest robust_last_checkpoint_timestamp_seconds (quantile 1).",
+    labels=NODE_PROGRESS_LABELS, source=SIDECAR, unit="seconds",
+)
+NODE_LOSS = _declare(
+    "robust_node_loss", S,
+    "Over the node's ranks with a finite robust_loss: its sum (_sum) and their number (_count).",
+    labels=NODE_PROGRESS_LABELS, source=SIDECAR,
+)
+NODE_GRAD_NORM = _declare(
+    "robust_node_grad_norm", S,
+    "Over the node's ranks with a finite robust_grad_norm: the greatest (quantile 1).",
+    labels=NODE_PROGRESS_LABELS, source=SIDECAR,
 )
 RANK_STEP_AGE = _declare(
     "robust_rank_step_age_seconds", G,

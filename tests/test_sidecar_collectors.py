@@ -33,7 +33,7 @@ from robust_metrics.sidecar.collectors.nccl_ras import (
     parse_text_report,
 )
 from robust_metrics.sidecar.collectors.nic import NicCollector, parse_rate
-from robust_metrics.sidecar.collectors.node_windows import NodeWindowsCollector
+from robust_metrics.sidecar.collectors.node_summaries import NodeSummariesCollector
 from robust_metrics.sidecar.collectors.nvml import NvmlCollector
 from robust_metrics.sidecar.collectors.process import (
     WRITES_STALE_AFTER,
@@ -90,7 +90,7 @@ def test_every_name_a_collector_exports_is_declared_in_the_schema(tmp_path: Path
     nvml = two_gpus()
     nvml.gpus[0].pids = [os.getpid()]
     registry = registry_of(ranks=RanksCollector(folder), process=ProcessCollector(folder),
-                           node_windows=NodeWindowsCollector(folder, "n1"),
+                           node_summaries=NodeSummariesCollector(folder, "n1"),
                            nic=NicCollector(str(SYSFS), "n1"),
                            nvml=NvmlCollector("n1", folder, nvml=nvml, xid_events=False))
     declared = schema.sample_names()
@@ -374,7 +374,7 @@ def test_failing_collector_costs_its_series_not_the_scrape() -> None:
 
 
 def test_every_collector_is_registered_with_a_flag() -> None:
-    assert set(available()) == {"ranks", "node_windows", "process", "nvml", "nic", "nccl",
+    assert set(available()) == {"ranks", "node_summaries", "process", "nvml", "nic", "nccl",
                                 "selftest"}
 
 

@@ -9,11 +9,11 @@ in a circle.
 from robust_metrics.sidecar.collectors import (
     nccl_ras,
     nic,
-    node_windows,
+    node_summaries,
     nvml,
     process,
     ranks,
     selftest,
 )
 
-__all__ = ["nccl_ras", "nic", "node_windows", "nvml", "process", "ranks", "selftest"]
+__all__ = ["nccl_ras", "nic", "node_summaries", "nvml", "process", "ranks", "selftest"]

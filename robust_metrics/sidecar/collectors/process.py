@@ -48,6 +48,11 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 
 from robust_metrics import schema
 from robust_metrics.rankfolder.identity import RankIdentity
+from robust_metrics.sidecar.collectors.node_summaries import (
+    PROCESS_SUMMARIES,
+    RankValue,
+    summarise,
+)
 from robust_metrics.sidecar.collectors.registry import register_collector
 from robust_metrics.sidecar.config import SidecarConfig
 from robust_metrics.sidecar.proc_connector import ProcExits, signal_of
@@ -257,8 +262,10 @@ def exit_time(seen: float, ident: RankIdentity, written: float | None = None) ->
 
 
 class ProcessCollector:
-    def __init__(self, folder: RankFiles, exits: ExitWatcher | None = None) -> None:
+    def __init__(self, folder: RankFiles, exits: ExitWatcher | None = None,
+                 node: str = "") -> None:
         self.folder = folder
+        self.node = node  # the node label of its per-node summaries
         self.exits = exits if exits is not None else ExitWatcher()
         self._exit_times: dict[int, float] = {}  # pid -> as first published
 
@@ -332,9 +339,13 @@ class ProcessCollector:
                 age_f.add_metric(labels, step_age(now, since, written, ident.flush_interval))
         yield from (alive_f, stopped_f, finished_f, exit_f, exit_step_f, exit_start_f,
                     exit_last_f, cpu_f, rss_f, age_f)
+        per_rank = [RankValue(sample.labels["run"], sample.labels["rank"], sample.name, "",
+                              sample.value)
+                    for family in (alive_f, age_f) for sample in family.samples]
+        yield from summarise(per_rank, self.node, {}, PROCESS_SUMMARIES)
 
 
 @register_collector("process", default_enabled=True,
                     help="rank process liveness, stop and exit, CPU, memory and step age")
 def _factory(config: SidecarConfig, folder: RankFiles) -> ProcessCollector:
-    return ProcessCollector(folder)
+    return ProcessCollector(folder, node=config.node)
