@@ -120,4 +120,5 @@ def test_importing_the_registry_alone_registers_every_collector() -> None:
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             timeout=60, cwd=ROOT)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == ["nccl", "nic", "nvml", "process", "ranks", "selftest"]
+    assert result.stdout.split() == ["nccl", "nic", "node_summaries", "nvml", "process", "ranks",
+                                     "selftest"]

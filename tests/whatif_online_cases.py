@@ -39,7 +39,7 @@ __all__ = ["CHECK_MINUTES", "FIRING_AT", "PATH", "RUN", "SLOW_RANK_SILENT", "ST"
 
 PATH = Path(__file__).resolve().parent.parent / "alert_rules" / "tests" / "whatif_st_test.yml"
 ST = Path(__file__).resolve().parent / "fixtures" / "whatif-ST"
-RULE_FILES = ("../training.yml", "../stragglers.yml", "../attribution.yml")
+RULE_FILES = ("../node_summaries.yml", "../training.yml", "../stragglers.yml", "../attribution.yml")
 RUN = "st"
 MINUTES = 12
 CHECK_MINUTES = range(5, MINUTES + 1)
