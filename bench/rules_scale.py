@@ -75,6 +75,7 @@ from robust_metrics.processes import (
 from robust_metrics.sidecar.collectors.node_summaries import (
     PROCESS_SUMMARIES,
     SUMMARIES,
+    SUMMARISED_ONLY,
     RankValue,
     summarise,
 )
@@ -120,11 +121,12 @@ SAMPLE_KEYS = {
     "robust_gpu_energy_joules_total": "steps",
 }
 # values of the labels a series has several of (one series per value); `window`: by metric,
-# the windows the hook publishes of it
+# the windows the hook publishes of it that the sidecar serves (it summarises the others)
 MULTI_VALUED: dict[str, tuple[str, ...] | dict[str, tuple[str, ...]]] = {
     "phase": schema.PHASES, "reason": tuple(THROTTLE_REASONS),
     "type": ("corrected", "uncorrected"),
-    "window": {spec.name: windows for spec, windows in PUBLISHED}}
+    "window": {spec.name: tuple(w for w in windows if (spec.name, w) not in SUMMARISED_ONLY)
+               for spec, windows in PUBLISHED}}
 FLOPS_PER_SECOND, PEAK_FLOPS = 400e12, 989e12  # with --flops: MFU = 400 / 989 on every rank
 
 
@@ -207,7 +209,7 @@ def progress_summary_lines(ranks: int, node: int) -> list[str]:
     for summary in (*SUMMARIES, *PROCESS_SUMMARIES):
         if summary.key == "window":
             continue
-        for key in (schema.PHASES if summary.key == "phase" else ("",)):
+        for key in ((summary.values or schema.PHASES) if summary.key == "phase" else ("",)):
             labels = f'run="{RUN}",node="node{node}"' + (f',phase="{key}"' if key else "")
             value = ("one" if key == "train" else "zero") if key else SAMPLE_KEYS.get(
                 summary.source, "one")

@@ -31,6 +31,7 @@ from robust_metrics.sidecar.collectors.node_summaries import (
     summarise,
 )
 from robust_metrics.sidecar.collectors.process import ProcessCollector
+from robust_metrics.sidecar.collectors.ranks import RanksCollector
 from robust_metrics.sidecar.collectors.registry import ScrapeRegistry
 from robust_metrics.sidecar.rank_files import RankFiles
 from tests.support import require_binary
@@ -183,6 +184,31 @@ def test_the_collector_serves_the_summaries_of_the_ranks_in_the_folder(tmp_path:
         assert registry.get_sample_value(name + "_count", labels) == 1
     steps = schema.NODE_STEPS.name
     assert registry.get_sample_value(f"{steps}_sum", {"run": "p", "node": "n1"}) == 190
+    folder.close()
+
+
+def test_the_sidecar_serves_no_window_that_only_the_summaries_read(tmp_path: Path) -> None:
+    (tmp_path / "ranks").mkdir()
+    store = MetricStore({"run": "p", "rank": "0"})
+    for window in ("1m", "2m", "5m"):
+        store.series(schema.STEP_COMPUTE_MEAN, window=window).set(0.5)
+    MultiprocessSink(str(tmp_path), pid=303).flush(store)
+    (tmp_path / "ranks" / "303.json").write_text(json.dumps(
+        {"run": "p", "rank": "0", "pid": 303, "started": time.time()}))
+    folder = RankFiles(str(tmp_path), alive=lambda pid, started: pid == 303, cache_seconds=0)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(ScrapeRegistry({"ranks": RanksCollector(folder),
+                                      "node_summaries": NodeSummariesCollector(folder, "n1")},
+                                     node="n1"))
+    served = {s.labels["window"] for m in registry.collect() for s in m.samples
+              if s.name == COMPUTE}
+    assert served == {"1m", "5m"}  # 2m: only its node summary is served
+    count = registry.get_sample_value(schema.NODE_STEP_COMPUTE_MEAN.name + "_count",
+                                      {"run": "p", "node": "n1", "window": "2m"})
+    assert count == 1
+    assert folder.snapshot().families  # the shared snapshot keeps every window for the others
+    assert {s.labels["window"] for f in folder.snapshot().families for s in f.samples
+            if s.name == COMPUTE} == {"1m", "2m", "5m"}
     folder.close()
 
 

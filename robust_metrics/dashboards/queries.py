@@ -50,7 +50,8 @@ def with_topology(expr: str) -> str:
 COMPUTE_RATIO = (f"max without (window) (robust_step_compute_mean_seconds{{{RANKS}, window=\"5m\"}}"
                  f" / on (run) group_left () run:robust_step_compute_seconds:median5m{{{RUN}}})")
 STEP_TIME_MEDIAN = f"run:robust_step_duration_seconds:median5m{{{RUN}}}"
-STEP_TIME_MAX = f"max by (run) (robust_step_duration_mean_seconds{{{RUN}, window=\"5m\"}})"
+STEP_TIME_MAX = (f"max by (run) (robust_node_step_duration_mean_seconds{{{RUN}, window=\"5m\", "
+                 f"quantile=\"0.5\"}})")
 THROUGHPUT = f"run:robust_steps:rate5m{{{RUN}}}"
 SLOWDOWN = f"run:robust_straggler_slowdown:ratio5m{{{RUN}}}"
 ETTR_1H = f"run:robust_ettr:ratio1h{{{RUN}}}"

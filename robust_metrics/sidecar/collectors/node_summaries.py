@@ -32,8 +32,9 @@ from robust_metrics.sidecar.collectors.registry import register_collector
 from robust_metrics.sidecar.config import SidecarConfig
 from robust_metrics.sidecar.rank_files import RankFiles, Snapshot
 
-__all__ = ["BLOCKED", "PROCESS_SUMMARIES", "SUMMARIES", "NodeSummariesCollector", "NodeSummary", "RankValue",
-           "quantile", "rank_values", "summarise"]
+__all__ = ["BLOCKED", "PROCESS_SUMMARIES", "SUMMARIES", "SUMMARISED_ONLY",
+           "NodeSummariesCollector", "NodeSummary", "RankValue", "quantile", "rank_values",
+           "summarise"]
 
 BLOCKED = "blocked"
 """The source of the blocked-time summary: each rank's window mean step time minus its mean
@@ -83,7 +84,9 @@ SUMMARIES: tuple[NodeSummary, ...] = (
     NodeSummary(schema.NODE_GLOBAL_STEP, schema.GLOBAL_STEP.name, ("1",)),
     NodeSummary(schema.NODE_STEPS, schema.STEPS_TOTAL.name, ("sum", "count")),
     NodeSummary(schema.NODE_COLLECTIVES_ENTERED, schema.COLLECTIVES_ENTERED.name, ("sum",)),
-    NodeSummary(schema.NODE_PHASE, schema.PHASE.name, ("0", "1"), "phase"),
+    # some rank out of training; some rank in a checkpoint, in evaluation
+    NodeSummary(schema.NODE_PHASE, schema.PHASE.name, ("0",), "phase", ("train",)),
+    NodeSummary(schema.NODE_PHASE, schema.PHASE.name, ("1",), "phase", ("checkpoint", "eval")),
     NodeSummary(schema.NODE_LAST_STEP_TIMESTAMP, schema.LAST_STEP_TIMESTAMP.name, ("1",),
                 positive=True),
     NodeSummary(schema.NODE_LAST_CHECKPOINT_TIMESTAMP, schema.LAST_CHECKPOINT_TIMESTAMP.name,
@@ -100,6 +103,16 @@ PROCESS_SUMMARIES: tuple[NodeSummary, ...] = (
     NodeSummary(schema.NODE_RANK_PROCESS_ALIVE, schema.RANK_PROCESS_ALIVE.name, ("1", "count")),
 )
 """What the process collector publishes per node, of the series only it computes."""
+
+SUMMARISED_ONLY: frozenset[tuple[str, str]] = frozenset({
+    (schema.STEP_COMPUTE_MEAN.name, "2m"),
+    (schema.STEP_DURATION_MEAN.name, "2m"),
+    (schema.STEP_DURATION_MEAN.name, "5m"),
+    (schema.WINDOW_STEPS.name, "1m"),
+})
+"""Rank window gauges (metric, window) that no rule, dashboard or check reads rank by rank: the
+sidecar summarises them and does not serve them (series budget; the ranks' in-process exporters
+serve them for the rule group that summarises them where no sidecar runs)."""
 
 
 @dataclass(frozen=True)

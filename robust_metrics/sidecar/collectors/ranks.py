@@ -1,7 +1,8 @@
 """`ranks`: the metrics the rank processes on this node publish through the multiprocess folder.
 
 All the work (dead processes, the archive, corrupt files) is in `robust_metrics.sidecar.rank_files`;
-this collector only serves its snapshot and the count of corrupt files.
+this collector only serves its snapshot (but the windows that only the node's summaries read:
+`node_summaries.SUMMARISED_ONLY`) and the count of corrupt files.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from collections.abc import Iterator
 from prometheus_client.metrics_core import CounterMetricFamily, Metric
 
 from robust_metrics import schema
+from robust_metrics.sidecar.collectors.node_summaries import SUMMARISED_ONLY
 from robust_metrics.sidecar.collectors.registry import register_collector
 from robust_metrics.sidecar.config import SidecarConfig
 from robust_metrics.sidecar.rank_files import RankFiles
@@ -24,9 +26,20 @@ class RanksCollector:
 
     def collect(self) -> Iterator[Metric]:
         snapshot = self.folder.snapshot()
-        yield from snapshot.families
+        for family in snapshot.families:
+            yield _served(family)
         spec = schema.CORRUPT_FILES
         yield CounterMetricFamily(spec.name, spec.help, value=snapshot.corrupt_total)
+
+
+def _served(family: Metric) -> Metric:
+    """The family without the windows that only the node's summaries read (SUMMARISED_ONLY)."""
+    windows = {w for metric, w in SUMMARISED_ONLY if metric == family.name}
+    if not windows:
+        return family
+    served = Metric(family.name, family.documentation, family.type)
+    served.samples = [s for s in family.samples if s.labels.get("window") not in windows]
+    return served
 
 
 @register_collector("ranks", default_enabled=True,
