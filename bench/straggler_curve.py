@@ -5,9 +5,10 @@
 Each trial is a synthetic run of 8 ranks (`--ranks 2,3,8`: of each size in turn;
 robust_metrics/workloads/straggler_series.py: a bulk-synchronous step, 0.6 s compute +-10% uniform
 jitter per rank and step, 0.4 s transfer, scraped every 15 s); promtool evaluates the shipped rules
-(alert_rules/training.yml, stragglers.yml and attribution.yml, unscaled: 15 s evaluations, the
-groups in their files' order) over it, with both SlowRank and StragglerSlowdownHigh checked at
-every evaluation.
+(alert_rules/node_summaries.yml, which records the node summaries from the ranks' series as
+where no sidecar runs, training.yml, stragglers.yml and attribution.yml, unscaled: 15 s
+evaluations, the groups in their files' order) over it, with both SlowRank and
+StragglerSlowdownHigh checked at every evaluation.
 
 Slow-rank trials: rank 3 (the last rank of a smaller run) computes `factor` times longer from
 minute 5 on (15-minute runs). Time to name = first evaluation at which SlowRank fires naming that
@@ -57,7 +58,7 @@ from robust_metrics.workloads.straggler_series import (
     scrapes,
 )
 
-RULE_FILES = ("training.yml", "stragglers.yml", "attribution.yml")
+RULE_FILES = ("node_summaries.yml", "training.yml", "stragglers.yml", "attribution.yml")
 SLOW_RANK, SLOWDOWN = "SlowRank", "StragglerSlowdownHigh"
 ALERTS = (SLOW_RANK, SLOWDOWN)
 RANK, CHANGE_S, MINUTES = 3, 300.0, 15.0

@@ -480,6 +480,18 @@ NODE_LOSS = _declare(
     "Over the node's ranks with a finite robust_loss: its sum (_sum) and their number (_count).",
     labels=NODE_PROGRESS_LABELS, source=SIDECAR,
 )
+NODE_NONFINITE_GRAD = _declare(
+    "robust_node_nonfinite_grad_steps", S,
+    "Over the node's ranks: the most steps with a non-finite gradient norm any of them counted "
+    "(robust_nonfinite_grad_steps_total, quantile 1). After the all-reduce every rank sees them.",
+    labels=NODE_PROGRESS_LABELS, source=SIDECAR,
+)
+NODE_SKIPPED_STEPS = _declare(
+    "robust_node_skipped_steps", S,
+    "Over the node's ranks that step through a GradScaler: the sum of their "
+    "robust_skipped_steps_total (_sum), against robust_node_steps_sum of the same node.",
+    labels=NODE_PROGRESS_LABELS, source=SIDECAR,
+)
 NODE_GRAD_NORM = _declare(
     "robust_node_grad_norm", S,
     "Over the node's ranks with a finite robust_grad_norm: the greatest (quantile 1).",

@@ -284,6 +284,17 @@ def test_scale_expr_scales_ranges_offsets_subqueries_and_marked_constants() -> N
     assert rules.scale_expr(expr, 1) == expr
 
 
+def test_every_seconds_comment_follows_the_number_it_scales() -> None:
+    """`--time-scale` scales the number right before a `# seconds` comment; one after a closing
+    parenthesis would stay unscaled (a 10 s floor at 1/15 scale is 150 s at the defaults)."""
+    for group in GROUPS:
+        for rule in group["rules"]:
+            for line in str(rule["expr"]).splitlines():
+                if "# seconds" in line:
+                    assert re.search(r"\d\s*# seconds", line), (rule.get("alert") or
+                                                                rule.get("record"), line)
+
+
 def test_time_scale_changes_for_and_windows_but_not_ratios() -> None:
     fast = {r.get("alert") or r.get("record"): r for g in rules.load_groups(time_scale=1 / 15)
             for r in g["rules"]}

@@ -34,7 +34,8 @@ def test_hang_restart_resume_enters_detect_act_recover_and_lost_steps(tmp_path: 
     job = ["--steps=100000", "--step-sleep=1.0", "--hang-rank=1", "--hang-step=5",
            f"--checkpoint-dir={tmp_path / 'ckpt'}", "--checkpoint-every=3"]
     rules = [{"name": "hang", "match": {"alertname": "TrainingHang"}, "actions": ["restart"]}]
-    rule_files = [RULES_DIR / "training.yml", RULES_DIR / "badput.yml"]
+    rule_files = [RULES_DIR / "node_summaries.yml", RULES_DIR / "training.yml",
+                  RULES_DIR / "badput.yml"]
     with incident_parts(tmp_path, job, rules, {}, rule_files=rule_files) as parts:
         parts.local.start(RUN)
         sel = f'{{run="{RUN}"}}'

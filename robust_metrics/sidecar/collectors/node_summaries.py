@@ -93,6 +93,8 @@ SUMMARIES: tuple[NodeSummary, ...] = (
                 ("1",), positive=True),
     NodeSummary(schema.NODE_LOSS, schema.LOSS.name, ("sum", "count")),
     NodeSummary(schema.NODE_GRAD_NORM, schema.GRAD_NORM.name, ("1",)),
+    NodeSummary(schema.NODE_NONFINITE_GRAD, schema.NONFINITE_GRAD.name, ("1",)),
+    NodeSummary(schema.NODE_SKIPPED_STEPS, schema.SKIPPED_STEPS.name, ("sum",)),
 )
 """What the sidecar publishes per node: only what a rule reads (series budget)."""
 
