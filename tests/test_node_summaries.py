@@ -78,6 +78,8 @@ def rank_samples() -> list[RankValue]:
                 RankValue("p", rank, schema.LAST_STEP_TIMESTAMP.name, "", 2000.0 + step),
                 RankValue("p", rank, schema.RANK_STEP_AGE.name, "", age)]
         out += [RankValue("p", rank, schema.COLLECTIVES_ENTERED.name, "", n) for n in entered]
+        out += [RankValue("p", rank, schema.NONFINITE_GRAD.name, "", float(rank == "1")),
+                RankValue("p", rank, schema.SKIPPED_STEPS.name, "", done / 10)]
         for phase in schema.PHASES:
             out.append(RankValue("p", rank, schema.PHASE.name, phase,
                                  float(PHASES.get(rank, "train") == phase)))

@@ -184,7 +184,7 @@ def test_the_issue_alerts_all_exist() -> None:
               "GPUXidCritical", "GPUEccUncorrectable", "GPURowRemapFailure", "GPUThermalThrottle",
               "GPULost", "NICLinkDown", "NICFlapping", "SidecarDown", "CheckpointStale", "RankExited",
               "LossRise", "GradNormRise", "MFUDrop", "SuspectNode", "SkippedStepStorm",
-              "NodeSelftestFailed"}
+              "NodeSelftestFailed", "NodeSummariesMissing"}
     assert {a["alert"] for a in ALERTS} == wanted
 
 
