@@ -130,6 +130,8 @@ def _rank_samples(rank: int, s: _Rank, t0: float, elapsed: float
     yield "robust_grad_norm", base, 1.0 + 0.05 * math.cos(elapsed / 45 + rank)
     yield "robust_nonfinite_loss_steps_total", base, float(rank == NAN_RANK and elapsed >= NAN_AT)
     yield "robust_nonfinite_grad_steps_total", base, float(elapsed >= NAN_AT)
+    # mixed precision: the GradScaler skips the NaN step on every rank, and one step in 500
+    yield "robust_skipped_steps_total", base, float(elapsed >= NAN_AT) + elapsed // 500
     if rank == SPIKE_RANK and elapsed >= LOSS_SPIKE_AT:  # spike counters appear at the first
         yield "robust_loss_spikes_total", base, 1
     if elapsed >= NORM_SPIKE_AT:

@@ -51,6 +51,12 @@ RATE_TOLERANCE = {"run:robust_steps:rate5m": (TOLERANCE, 0.05),
                   # differences for the hour (8.5% at most in the 45 minutes replayed)
                   "run:robust_mfu:train_median1h": (0.1, 0.05 * rr.FLOPS_PER_STEP
                                                     / rr.PEAK_FLOPS)}
+# A NaN sample: Prometheus stores it and the comparison drops the rank, VictoriaMetrics stores no
+# value and reads the rank's sample before it, so at the NaN's instant the loss summaries of the
+# run (8 ranks) differ by that rank on its own: a count of 7 against 8, the sum by one loss. The
+# mean they make (run:robust_loss:mean) agrees within TOLERANCE.
+RATE_TOLERANCE.update({name: (0.13, 0.0)
+                       for name in ("robust_node_loss_sum", "robust_node_loss_count")})
 # The straggler and slow-rank records read the windows the hook publishes (one value per rank,
 # read with instant selectors), so both engines read the same numbers and must agree to the
 # last digits (from rate() over the summaries they were up to 36% apart).
