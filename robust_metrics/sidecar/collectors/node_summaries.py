@@ -159,12 +159,12 @@ def summarise(samples: Iterable[RankValue], node: str, stage_of: dict[tuple[str,
               summaries: Iterable[NodeSummary] = SUMMARIES) -> list[Metric]:
     """The node's `summaries` of its ranks' samples, per run (and per the rank's pipeline stage,
     `stage_of[(run, rank)]`, for a stage summary; empty or absent without a pipeline)."""
-    values = _by_rank(samples)
+    values = sorted(_by_rank(samples).items())
     families: dict[str, Metric] = {}
     for summary in summaries:
         name = summary.spec.name
         family = families.setdefault(name, Metric(name, summary.spec.help, "summary"))
-        for (metric, key, run), by_rank in sorted(values.items()):
+        for (metric, key, run), by_rank in values:
             if metric != summary.source or (summary.values and key not in summary.values):
                 continue
             groups: dict[str, list[float]] = defaultdict(list)
@@ -206,7 +206,7 @@ def rank_values(snapshot: Snapshot, summaries: Iterable[NodeSummary] = SUMMARIES
             labels = sample.labels
             if key is not None and "rank" in labels:
                 yield RankValue(labels.get("run", ""), labels["rank"], sample.name,
-                                labels.get(key, "") if key else "", sample.value)
+                                labels.get(key, ""), sample.value)
 
 
 def stages(snapshot: Snapshot) -> dict[tuple[str, str], str]:

@@ -32,10 +32,15 @@ class RanksCollector:
         yield CounterMetricFamily(spec.name, spec.help, value=snapshot.corrupt_total)
 
 
+_UNSERVED_WINDOWS: dict[str, frozenset[str]] = {
+    metric: frozenset(w for m, w in SUMMARISED_ONLY if m == metric)
+    for metric, _ in SUMMARISED_ONLY}
+
+
 def _served(family: Metric) -> Metric:
     """The family without the windows that only the node's summaries read (SUMMARISED_ONLY)."""
-    windows = {w for metric, w in SUMMARISED_ONLY if metric == family.name}
-    if not windows:
+    windows = _UNSERVED_WINDOWS.get(family.name)
+    if windows is None:
         return family
     served = Metric(family.name, family.documentation, family.type)
     served.samples = [s for s in family.samples if s.labels.get("window") not in windows]
